@@ -1,0 +1,52 @@
+"""flowly: durable workflows in the PostgreSQL database you already have.
+
+Workflows are async functions whose steps are checkpointed in Postgres; a crashed or
+redeployed worker resumes each run at its last completed step. The state machine lives in
+PL/pgSQL (``sql/``); this package registers workflows, runs them and talks to those functions.
+"""
+
+from .client import AsyncClient, Client, Run, Step
+from .context import Context, Interrupt, SleepInterrupt
+from .errors import (
+    FlowlyError,
+    InvalidArgument,
+    InvalidState,
+    LeaseLost,
+    RunNotFound,
+    RunTimeout,
+    SchemaError,
+    StepOutputNotSerializable,
+    UnknownWorkflow,
+)
+from .retry import Retry
+from .schema import install, install_dsn
+from .worker import Worker
+from .workflow import Workflow, workflow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Context",
+    "FlowlyError",
+    "Interrupt",
+    "InvalidArgument",
+    "InvalidState",
+    "LeaseLost",
+    "Retry",
+    "Run",
+    "RunNotFound",
+    "RunTimeout",
+    "SchemaError",
+    "SleepInterrupt",
+    "Step",
+    "StepOutputNotSerializable",
+    "UnknownWorkflow",
+    "Worker",
+    "Workflow",
+    "__version__",
+    "install",
+    "install_dsn",
+    "workflow",
+]

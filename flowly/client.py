@@ -1,0 +1,309 @@
+"""Clients: start, inspect, wait for, cancel and retry runs from application code.
+
+:class:`Client` (blocking) and :class:`AsyncClient` share the statements in :mod:`flowly.db`
+and the row mapping here. ``start(..., conn=app_conn)`` runs on the caller's own connection
+and so commits or rolls back with the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .db import TERMINAL, Calls, translated_errors
+from .errors import RunNotFound, RunTimeout
+from .workflow import Workflow, WorkflowFn, registered, start_params
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as stored in ``runs``."""
+
+    id: str
+    workflow: str
+    queue: str
+    status: str
+    input: Any
+    output: Any
+    error: Any
+    priority: int
+    attempt: int
+    max_attempts: int
+    concurrency_key: str | None
+    parent_run_id: str | None
+    compensation_ok: bool | None
+    scheduled_for: datetime
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    locked_by: str | None
+    locked_until: datetime | None
+
+    @property
+    def done(self) -> bool:
+        """Whether the run reached a terminal status."""
+        return self.status in TERMINAL
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step outcome as stored in ``steps``."""
+
+    name: str
+    seq: int
+    status: str
+    output: Any
+    error: Any
+    attempts: int
+    started_at: datetime
+    finished_at: datetime
+    compensable: bool
+    compensation_status: str | None
+    compensation_error: Any
+    compensated_at: datetime | None
+
+    @property
+    def duration(self) -> timedelta:
+        return self.finished_at - self.started_at
+
+
+def _from_row(cls: type[Any], row: dict[str, Any]) -> Any:
+    return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+def _workflow_name(workflow: str | WorkflowFn) -> tuple[str, Workflow | None]:
+    if isinstance(workflow, str):
+        return workflow, registered().get(workflow)
+    for wf in registered().values():
+        if wf.fn is workflow:
+            return wf.name, wf
+    raise TypeError(f"{workflow!r} is not a registered workflow function")
+
+
+def _wait_statuses(status: str | Collection[str] | None) -> Collection[str]:
+    if status is None:
+        return TERMINAL
+    return (status,) if isinstance(status, str) else status
+
+
+_POLL_FIRST, _POLL_MAX = 0.02, 0.5
+
+
+class Client:
+    """Blocking client over one autocommit connection (opened lazily)."""
+
+    def __init__(self, dsn: str | None = None, *, schema: str = "flowly") -> None:
+        if dsn is None:
+            from .config import resolve_dsn
+
+            dsn = resolve_dsn()
+        self.dsn = dsn
+        self.calls = Calls(schema)
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    @property
+    def connection(self) -> psycopg.Connection[dict[str, Any]]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+        return self._conn
+
+    def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
+               ) -> list[dict[str, Any]]:
+        with translated_errors():
+            if conn is None:
+                return self.connection.execute(query, params).fetchall()
+            with conn.cursor(row_factory=dict_row) as cursor:
+                return cursor.execute(query, params).fetchall()
+
+    def start(
+        self,
+        workflow: str | WorkflowFn,
+        input: Any = None,
+        *,
+        run_id: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        **options: Any,
+    ) -> str:
+        """Start a run and return its id (the existing run's id if it already exists).
+
+        ``options``: queue, priority, scheduled_for, concurrency_key, max_attempts, timeout
+        (seconds or timedelta). With ``conn``, the run is created in that connection's current
+        transaction and is only visible to workers once the caller commits.
+        """
+        name, defaults = _workflow_name(workflow)
+        params = start_params(name, input, run_id, options, defaults)
+        return str(self._fetch(self.calls.start, params, conn)[0]["start"])
+
+    def get(self, run_id: str) -> Run:
+        """The run with this id; :class:`RunNotFound` if there is none."""
+        rows = self._fetch(self.calls.get_run, (run_id,))
+        if not rows:
+            raise RunNotFound(f"run {run_id} not found")
+        return _from_row(Run, rows[0])  # type: ignore[no-any-return]
+
+    def steps(self, run_id: str) -> list[Step]:
+        """The run's step outcomes in the order they were reached."""
+        return [_from_row(Step, row) for row in self._fetch(self.calls.get_steps, (run_id,))]
+
+    def wait(
+        self, run_id: str, status: str | Collection[str] | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Poll until the run reaches ``status`` (default: any terminal status).
+
+        Raises :class:`RunTimeout` after ``timeout`` seconds.
+        """
+        wanted = _wait_statuses(status)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _POLL_FIRST
+        while True:
+            run = self.get(run_id)
+            if run.status in wanted:
+                return run
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RunTimeout(f"run {run_id} is still {run.status} after {timeout}s")
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, _POLL_MAX)
+
+    def cancel(self, run_id: str) -> str:
+        """Cancel an unfinished run; returns its status afterwards."""
+        return str(self._fetch(self.calls.cancel, (run_id,))[0]["cancel"])
+
+    def retry_dead_letter(self, run_id: str) -> str:
+        """Restart a dead-lettered run from its last good checkpoint."""
+        return str(self._fetch(self.calls.retry_dead_letter, (run_id,))[0]["retry_dead_letter"])
+
+    def list_runs(
+        self, *, status: str | None = None, workflow: str | None = None,
+        since: datetime | None = None, limit: int = 100,
+    ) -> list[Run]:
+        """Runs, newest first, filtered by status, workflow and creation time."""
+        params = {"status": status, "workflow": workflow, "since": since, "limit": limit}
+        return [_from_row(Run, row) for row in self._fetch(self.calls.list_runs, params)]
+
+    def dead_letters(self, *, workflow: str | None = None, limit: int = 100) -> list[Run]:
+        """Runs in ``dead_letter``, newest first."""
+        return self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`Client`."""
+
+    def __init__(self, dsn: str | None = None, *, schema: str = "flowly") -> None:
+        if dsn is None:
+            from .config import resolve_dsn
+
+            dsn = resolve_dsn()
+        self.dsn = dsn
+        self.calls = Calls(schema)
+        self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    async def _fetch(self, query: Any, params: Any,
+                     conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
+        with translated_errors():
+            if conn is None:
+                if self._conn is None or self._conn.closed:
+                    self._conn = await psycopg.AsyncConnection.connect(
+                        self.dsn, autocommit=True, row_factory=dict_row)
+                return await (await self._conn.execute(query, params)).fetchall()
+            async with conn.cursor(row_factory=dict_row) as cursor:
+                return await (await cursor.execute(query, params)).fetchall()
+
+    async def start(
+        self,
+        workflow: str | WorkflowFn,
+        input: Any = None,
+        *,
+        run_id: str | None = None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        **options: Any,
+    ) -> str:
+        """See :meth:`Client.start`."""
+        name, defaults = _workflow_name(workflow)
+        params = start_params(name, input, run_id, options, defaults)
+        return str((await self._fetch(self.calls.start, params, conn))[0]["start"])
+
+    async def get(self, run_id: str) -> Run:
+        """See :meth:`Client.get`."""
+        rows = await self._fetch(self.calls.get_run, (run_id,))
+        if not rows:
+            raise RunNotFound(f"run {run_id} not found")
+        return _from_row(Run, rows[0])  # type: ignore[no-any-return]
+
+    async def steps(self, run_id: str) -> list[Step]:
+        """See :meth:`Client.steps`."""
+        return [_from_row(Step, r) for r in await self._fetch(self.calls.get_steps, (run_id,))]
+
+    async def wait(
+        self, run_id: str, status: str | Collection[str] | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """See :meth:`Client.wait`."""
+        wanted = _wait_statuses(status)
+
+        async def poll() -> Run:
+            delay = _POLL_FIRST
+            while True:
+                run = await self.get(run_id)
+                if run.status in wanted:
+                    return run
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX)
+
+        try:
+            return await asyncio.wait_for(poll(), timeout)
+        except TimeoutError:
+            raise RunTimeout(f"run {run_id} did not reach {sorted(wanted)} in {timeout}s") from None
+
+    async def cancel(self, run_id: str) -> str:
+        """See :meth:`Client.cancel`."""
+        return str((await self._fetch(self.calls.cancel, (run_id,)))[0]["cancel"])
+
+    async def retry_dead_letter(self, run_id: str) -> str:
+        """See :meth:`Client.retry_dead_letter`."""
+        rows = await self._fetch(self.calls.retry_dead_letter, (run_id,))
+        return str(rows[0]["retry_dead_letter"])
+
+    async def list_runs(
+        self, *, status: str | None = None, workflow: str | None = None,
+        since: datetime | None = None, limit: int = 100,
+    ) -> list[Run]:
+        """See :meth:`Client.list_runs`."""
+        params = {"status": status, "workflow": workflow, "since": since, "limit": limit}
+        return [_from_row(Run, r) for r in await self._fetch(self.calls.list_runs, params)]
+
+    async def dead_letters(self, *, workflow: str | None = None, limit: int = 100) -> list[Run]:
+        """See :meth:`Client.dead_letters`."""
+        return await self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
+
+
+__all__ = ["AsyncClient", "Client", "Run", "Step"]

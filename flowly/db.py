@@ -1,0 +1,113 @@
+"""The Python side of the SQL boundary: every engine function call, composed for a schema.
+
+Each state transition is one call of one PL/pgSQL function (see ``sql/migrations``); this
+module only names them, binds the schema identifier safely (never string-formatted) and turns
+flowly's SQLSTATEs into named exceptions. Reads for clients go straight to the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .errors import SchemaError, translate
+
+DEFAULT_SCHEMA = "flowly"
+NON_TERMINAL = ("pending", "running", "compensating")
+TERMINAL = ("completed", "dead_letter", "cancelled")
+
+# Postgres truncates longer identifiers silently, which would put objects in another schema.
+_MAX_IDENTIFIER_BYTES = 63
+
+
+def check_schema_name(schema: str) -> str:
+    """Return ``schema`` if Postgres can use it as given, else raise :class:`SchemaError`.
+
+    Any character is allowed (names are always quoted); empty names, names longer than 63
+    bytes and the reserved ``pg_`` prefix are refused with a message naming the problem.
+    """
+    if not schema:
+        raise SchemaError("schema name must not be empty")
+    if len(schema.encode()) > _MAX_IDENTIFIER_BYTES:
+        raise SchemaError(f"schema name {schema!r} is longer than 63 bytes")
+    if re.match(r"pg_", schema, re.IGNORECASE):
+        raise SchemaError(f"schema name {schema!r} is reserved: names starting with pg_ are")
+    if "\x00" in schema:
+        raise SchemaError(f"schema name {schema!r} contains a NUL character")
+    return schema
+
+
+@contextmanager
+def translated_errors() -> Iterator[None]:
+    """Re-raise flowly SQLSTATEs as named exceptions; a missing schema as SchemaError."""
+    try:
+        yield
+    except psycopg.errors.UndefinedFunction as error:
+        raise SchemaError(
+            f"flowly is not installed in this database or schema ({error.diag.message_primary});"
+            " run `flowly install`"
+        ) from error
+    except psycopg.Error as error:
+        translated = translate(error)
+        if translated is error:
+            raise
+        raise translated from error
+
+
+def dumps(value: Any) -> str:
+    """Serialise a value to JSON text as Postgres jsonb accepts it (no NaN or Infinity)."""
+    return json.dumps(value, allow_nan=False, separators=(",", ":"))
+
+
+class Calls:
+    """The engine's SQL statements for one schema, ready to execute."""
+
+    def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
+        self.schema = check_schema_name(schema)
+
+        def q(text: str) -> sql.Composed:
+            return sql.SQL(text).format(s=sql.Identifier(schema))
+
+        self.wakeup_channel = q("select {s}.wakeup_channel()")
+        self.start = q(
+            "select {s}.start(workflow => %(workflow)s, input => %(input)s::jsonb,"
+            " run_id => %(run_id)s, queue => %(queue)s, priority => %(priority)s,"
+            " scheduled_for => %(scheduled_for)s, concurrency_key => %(concurrency_key)s,"
+            " max_attempts => %(max_attempts)s, timeout => %(timeout)s,"
+            " parent_run_id => %(parent_run_id)s)"
+        )
+        self.cancel = q("select {s}.cancel(%s)")
+        self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
+        self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
+        self.unregister_worker = q("select {s}.unregister_worker(%s)")
+        self.claim = q("select * from {s}.claim(%s, %s, %s, %s, %s)")
+        self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
+        self.release = q("select {s}.release(%s, %s)")
+        self.checkpoint_steps = q(
+            "select * from {s}.checkpoint_steps(%s, %s, %s, %s::jsonb[], %s, %s)"
+        )
+        self.complete_runs = q("select * from {s}.complete_runs(%s, %s, %s::jsonb[])")
+        self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s)")
+        self.fail_step = q("select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+        self.fail_run = q("select * from {s}.fail_run(%s, %s, %s)")
+        self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
+        self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")
+        self.get_run = q("select * from {s}.runs where id = %s")
+        self.get_status = q("select status from {s}.runs where id = %s")
+        self.get_steps = q("select * from {s}.steps where run_id = %s order by seq")
+        self.get_step_attempts = q(
+            "select * from {s}.step_attempts where run_id = %s order by failed_at"
+        )
+        self.list_runs = q(
+            "select * from {s}.runs"
+            " where (%(status)s::text is null or status = %(status)s)"
+            " and (%(workflow)s::text is null or workflow = %(workflow)s)"
+            " and (%(since)s::timestamptz is null or created_at >= %(since)s)"
+            " order by created_at desc, id limit %(limit)s"
+        )

@@ -1,0 +1,72 @@
+"""Named exceptions for the engine's SQL errors.
+
+The PL/pgSQL functions raise domain errors with their own SQLSTATEs (class ``WF``);
+:func:`translate` turns a psycopg error carrying one of them into the matching exception
+below, so callers can ``except flowly.RunNotFound`` instead of parsing messages.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+
+class FlowlyError(Exception):
+    """Base class of every error flowly raises."""
+
+
+class LeaseLost(FlowlyError):
+    """SQLSTATE WF001: the worker's fencing token for a run is stale.
+
+    Another worker took the run over (this one was paused past its lease), or the run was
+    cancelled, timed out or released. Nothing was written; the worker drops the run.
+    """
+
+
+class RunNotFound(FlowlyError, LookupError):
+    """SQLSTATE WF002: no run has the given id."""
+
+
+class InvalidArgument(FlowlyError, ValueError):
+    """SQLSTATE WF003: an argument to an engine function is out of range or malformed."""
+
+
+class InvalidState(FlowlyError):
+    """SQLSTATE WF004: the run is not in a state that allows the operation."""
+
+
+class UnknownWorkflow(FlowlyError, LookupError):
+    """A workflow name is not registered in this process."""
+
+
+class StepOutputNotSerializable(FlowlyError, TypeError):
+    """A step returned a value that cannot be stored as JSON."""
+
+
+class SchemaError(FlowlyError):
+    """The flowly schema is missing, outdated, or its name is unusable."""
+
+
+class RunTimeout(FlowlyError, TimeoutError):
+    """A wait for a run ended before the run reached the awaited status."""
+
+
+_BY_SQLSTATE: dict[str, type[FlowlyError]] = {
+    "WF001": LeaseLost,
+    "WF002": RunNotFound,
+    "WF003": InvalidArgument,
+    "WF004": InvalidState,
+}
+
+
+def translate(error: psycopg.Error) -> Exception:
+    """Return the named exception for a psycopg error raised by an engine function.
+
+    Errors without one of flowly's SQLSTATEs are returned unchanged.
+    """
+    cls = _BY_SQLSTATE.get(error.sqlstate or "")
+    if cls is None:
+        return error
+    message = error.diag.message_primary or str(error)
+    translated = cls(message)
+    translated.__cause__ = error
+    return translated

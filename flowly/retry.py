@@ -1,0 +1,54 @@
+"""Retry policies for steps.
+
+A :class:`Retry` only describes the policy; the database decides, when a step fails, whether
+another attempt is due and when (``fail_step`` / ``backoff_delay`` in SQL), so every worker
+and every SQL caller computes the same backoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+Backoff = Literal["fixed", "linear", "exponential"]
+
+
+def _seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How often a failing step is tried and how long to wait between attempts.
+
+    ``max_attempts`` counts every attempt, the first included (1 means no retry). The delay
+    before attempt n+1 is ``initial_delay`` (fixed), ``initial_delay * n`` (linear) or
+    ``initial_delay * 2**(n-1)`` (exponential), capped at ``max_delay``.
+    """
+
+    max_attempts: int = 3
+    backoff: Backoff = "exponential"
+    initial_delay: float | timedelta = 1.0
+    max_delay: float | timedelta = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"Retry.max_attempts must be at least 1, got {self.max_attempts}")
+        if self.backoff not in ("fixed", "linear", "exponential"):
+            raise ValueError(
+                f"Retry.backoff must be 'fixed', 'linear' or 'exponential', got {self.backoff!r}"
+            )
+        if self.initial_delay_seconds < 0 or self.max_delay_seconds < 0:
+            raise ValueError("Retry delays must not be negative")
+
+    @property
+    def initial_delay_seconds(self) -> float:
+        return _seconds(self.initial_delay)
+
+    @property
+    def max_delay_seconds(self) -> float:
+        return _seconds(self.max_delay)
+
+
+NO_RETRY = Retry(max_attempts=1)

@@ -1,0 +1,101 @@
+"""Installing and upgrading the flowly schema from the numbered files in ``sql/``.
+
+``install`` applies, in one transaction and under an advisory lock (the same one
+``sql/install.sql`` takes), every migration the schema does not have yet, and records each in
+``schema_migrations``. Running it again is a no-op, and two processes installing at once
+apply each migration exactly once. The schema name is always passed as a quoted identifier
+or a bound parameter, never formatted into SQL text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .db import DEFAULT_SCHEMA, check_schema_name
+
+logger = logging.getLogger(__name__)
+
+# Shared with sql/install.sql: serialises concurrent installers of any schema.
+INSTALL_LOCK_KEY = 7237142851620390001
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered file of ``sql/migrations``."""
+
+    version: int
+    name: str
+    sql: str
+
+
+def migrations() -> list[Migration]:
+    """Every migration shipped with the package, in version order."""
+    folder = resources.files("flowly") / "sql" / "migrations"
+    found = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"(\d{4})_(\w+)\.sql", entry.name)
+        if match:
+            found.append(Migration(int(match[1]), entry.name[:-4], entry.read_text()))
+    return sorted(found, key=lambda m: m.version)
+
+
+def _versions_sql() -> str:
+    return (resources.files("flowly") / "sql" / "versions.sql").read_text()
+
+
+def install(
+    conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *, target: int | None = None
+) -> list[int]:
+    """Apply the missing migrations (up to ``target``) to ``schema``; return their versions.
+
+    Runs in one transaction of ``conn`` (committed here unless the caller already opened one).
+    The worker calls it in a thread at start-up, so it needs no async twin.
+    """
+    check_schema_name(schema)
+    applied: list[int] = []
+    with conn.transaction():
+        conn.execute("set local client_min_messages = warning")
+        conn.execute("select pg_advisory_xact_lock(%s)", (INSTALL_LOCK_KEY,))
+        conn.execute(sql.SQL("create schema if not exists {}").format(sql.Identifier(schema)))
+        conn.execute(
+            "select set_config('search_path', format('%%I, pg_catalog, pg_temp', %s::text), true)",
+            (schema,),
+        )
+        conn.execute(_versions_sql().encode())
+        done = {row[0] for row in conn.execute("select version from schema_migrations")}
+        for migration in migrations():
+            if migration.version in done or (target is not None and migration.version > target):
+                continue
+            conn.execute(migration.sql.encode())
+            conn.execute(
+                "insert into schema_migrations (version, name) values (%s, %s)",
+                (migration.version, migration.name),
+            )
+            applied.append(migration.version)
+            logger.info("applied migration %s to schema %r", migration.name, schema)
+    return applied
+
+
+def install_dsn(dsn: str, schema: str = DEFAULT_SCHEMA, *, target: int | None = None) -> list[int]:
+    """Connect to ``dsn`` and :func:`install`."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return install(conn, schema, target=target)
+
+
+def installed_versions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[int]:
+    """The migration versions recorded in ``schema`` (empty when flowly is not installed)."""
+    exists = conn.execute(
+        "select to_regclass(format('%%I.schema_migrations', %s::text)) is not null", (schema,)
+    ).fetchone()
+    if not exists or not exists[0]:
+        return []
+    query = sql.SQL("select version from {}.schema_migrations order by version").format(
+        sql.Identifier(schema))
+    return [row[0] for row in conn.execute(query)]

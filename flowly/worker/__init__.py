@@ -1,0 +1,432 @@
+"""The worker: claims runs, executes workflow bodies, heartbeats leases, shuts down cleanly.
+
+One asyncio loop runs up to ``concurrency`` runs at once over a small, bounded connection
+pool: runs share connections (claims, heartbeats and group-committed writes each borrow one
+briefly), plus one connection that LISTENs for wake-ups. All decisions (retry or give up,
+backoff, lease validity) are made by the SQL functions; this loop only carries them out.
+
+Run it with ``python -m flowly.worker --app module[:attr]`` or :meth:`Worker.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..context import (
+    CompensateInterrupt,
+    Context,
+    Interrupt,
+    LeaseLostInterrupt,
+    StoredStep,
+    call_user_function,
+    error_info,
+)
+from ..db import Calls, dumps, translated_errors
+from ..errors import LeaseLost, StepOutputNotSerializable
+from ..group_commit import GroupCommitter
+from ..retry import Retry
+from ..schema import install_dsn
+from ..workflow import Workflow, WorkflowFn, resolve, start_params
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Worker"]
+
+
+def _seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+@dataclass
+class _Held:
+    """A run this worker holds: its fencing token and the task executing it."""
+
+    run_id: str
+    epoch: int
+    task: asyncio.Task[None] | None = None
+
+
+class _RunStore:
+    """The fenced writes of one claimed run, as the workflow context makes them."""
+
+    def __init__(self, worker: Worker, held: _Held) -> None:
+        self._worker = worker
+        self._held = held
+
+    async def checkpoint(
+        self, name: str, payload: str, started_at: datetime, compensable: bool
+    ) -> tuple[Any, int]:
+        return await self._worker._committer.checkpoint(
+            self._held.run_id, self._held.epoch, name, payload, started_at, compensable
+        )
+
+    async def sleep(
+        self, name: str, wake_at: datetime | None, seconds: float | None
+    ) -> tuple[datetime, bool]:
+        row = await self._worker._call_one(
+            self._worker._calls.sleep, (self._held.run_id, self._held.epoch, name, wake_at, seconds)
+        )
+        return row[0], row[1]
+
+    async def fail_step(
+        self, name: str, error: dict[str, Any], started_at: datetime, retry: Retry,
+        retryable: bool,
+    ) -> str:
+        row = await self._worker._call_one(
+            self._worker._calls.fail_step,
+            (
+                self._held.run_id, self._held.epoch, name, psycopg.types.json.Jsonb(error),
+                started_at, retry.max_attempts, retry.backoff, retry.initial_delay_seconds,
+                retry.max_delay_seconds, retryable,
+            ),
+        )
+        logger.info("run %s step %r failed (%s): %s", self._held.run_id, name, row[0],
+                    error["message"])
+        return str(row[0])
+
+    async def start_run(
+        self, workflow: str, input: Any, run_id: str, options: dict[str, Any]
+    ) -> str:
+        params = start_params(workflow, input, run_id, options)
+        params["parent_run_id"] = self._held.run_id
+        row = await self._worker._call_one(self._worker._calls.start, params)
+        return str(row[0])
+
+    async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker._threads, partial(fn, *args))
+
+
+class Worker:
+    """Executes runs of the given workflows until stopped.
+
+    ``workflows``: names, decorated functions or :class:`flowly.Workflow` objects (default:
+    every workflow registered in this process). ``concurrency`` bounds runs in flight;
+    ``max_connections`` bounds the pool whatever the concurrency (one more connection
+    LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat; heartbeats
+    go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
+    soon a timer or backoff that just expired is seen). On stop, in-flight runs get up to
+    ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        workflows: Iterable[str | Workflow | WorkflowFn] | None = None,
+        *,
+        schema: str = "flowly",
+        queues: Iterable[str] = ("default",),
+        concurrency: int = 32,
+        lease: float | timedelta = 30.0,
+        poll_interval: float | timedelta = 0.5,
+        drain_timeout: float | timedelta = 10.0,
+        max_connections: int = 4,
+        default_retry: Retry | None = None,
+        install_schema: bool = True,
+        worker_id: str | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if max_connections < 2:
+            raise ValueError(f"max_connections must be at least 2, got {max_connections}")
+        self.dsn = dsn
+        self.workflows = resolve(workflows)
+        if not self.workflows:
+            raise ValueError("a worker needs at least one registered workflow")
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        self.lease = _seconds(lease)
+        self.poll_interval = _seconds(poll_interval)
+        self.drain_timeout = _seconds(drain_timeout)
+        self.max_connections = max_connections
+        self.default_retry = default_retry or Retry()
+        self.install_schema = install_schema
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._calls = Calls(schema)
+        self._held: dict[str, _Held] = {}
+        self._wakeup = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._threads = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="flowly-step")
+        self._pool: AsyncConnectionPool | None = None
+        self._committer: GroupCommitter
+
+    # -- public -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the worker to stop: claim nothing more, drain, release what is left."""
+        self._stopping.set()
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Run until :meth:`stop` (or SIGTERM/SIGINT when on the main thread)."""
+        loop = asyncio.get_running_loop()
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        if on_main_thread:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        if self.install_schema:
+            await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
+        self._pool = AsyncConnectionPool(
+            self.dsn, min_size=1, max_size=self.max_connections, open=False,
+            kwargs={"autocommit": True}, name="flowly-worker",
+        )
+        await self._pool.open()
+        self._committer = GroupCommitter(self._pool, self._calls)
+        self._committer.start()
+        background: list[asyncio.Task[None]] = []
+        try:
+            await self._call(
+                self._calls.register_worker,
+                (self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease)),
+            )
+            logger.info("worker %s serving %s on queues %s (concurrency %d)", self.worker_id,
+                        ", ".join(self.workflows), ", ".join(self.queues), self.concurrency)
+            background = [
+                asyncio.create_task(self._listen(), name="flowly-listen"),
+                asyncio.create_task(self._heartbeat_loop(), name="flowly-heartbeat"),
+            ]
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self._committer.close()
+            try:
+                await self._call(self._calls.unregister_worker, (self.worker_id,))
+            except psycopg.Error as exc:
+                logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
+            await self._pool.close()
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            if on_main_thread:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            logger.info("worker %s stopped", self.worker_id)
+
+    # -- claiming ---------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        while not self._stopping.is_set():
+            free = self.concurrency - len(self._held)
+            claimed = 0
+            if free > 0:
+                try:
+                    claimed = await self._claim(free)
+                except (psycopg.Error, OSError) as exc:
+                    logger.warning("claim failed, retrying in %.1fs: %s", self.poll_interval, exc)
+            if claimed and claimed == free:
+                await asyncio.sleep(0)  # let finished runs free their slots, then claim again
+                continue
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), self.poll_interval)
+            except TimeoutError:
+                pass
+
+    async def _claim(self, limit: int) -> int:
+        rows = await self._call(
+            self._calls.claim,
+            (self.worker_id, list(self.workflows), self.queues, limit,
+             timedelta(seconds=self.lease)),
+        )
+        for run_id, workflow, status, input, attempt, epoch, steps, timers in rows:
+            held = _Held(run_id, epoch)
+            self._held[run_id] = held
+            held.task = asyncio.create_task(
+                self._execute(held, self.workflows[workflow], status, input, attempt, steps, timers),
+                name=f"flowly-run-{run_id}",
+            )
+        return len(rows)
+
+    async def _listen(self) -> None:
+        """Wake the claim loop on NOTIFY; reconnect after a dropped connection."""
+        backoff = 0.1
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+                    channel = (await (await conn.execute(self._calls.wakeup_channel)).fetchone())
+                    assert channel is not None
+                    await conn.execute(psycopg.sql.SQL("listen {}").format(
+                        psycopg.sql.Identifier(channel[0])))
+                    backoff = 0.1
+                    self._wakeup.set()  # catch up on anything started while we were away
+                    async for _ in conn.notifies():
+                        self._wakeup.set()
+            except (psycopg.Error, OSError) as exc:
+                logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
+                               exc, self.poll_interval)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            held = list(self._held.values())
+            try:
+                rows = await self._call(
+                    self._calls.heartbeat,
+                    (self.worker_id, [h.run_id for h in held], [h.epoch for h in held],
+                     timedelta(seconds=self.lease)),
+                )
+            except (psycopg.Error, OSError) as exc:
+                logger.warning("heartbeat failed: %s", exc)
+                continue
+            for (run_id,) in rows:
+                lost = self._held.get(run_id)
+                if lost is not None and lost.task is not None:
+                    logger.warning("lease lost on run %s: cancelling it here", run_id)
+                    lost.task.cancel()
+
+    async def _drain(self) -> None:
+        tasks = [h.task for h in self._held.values() if h.task is not None]
+        if tasks:
+            logger.info("draining %d run(s) for up to %.1fs", len(tasks), self.drain_timeout)
+            await asyncio.wait(tasks, timeout=self.drain_timeout)
+        unfinished = list(self._held.values())
+        for held in unfinished:
+            if held.task is not None:
+                held.task.cancel()
+        await asyncio.gather(*(h.task for h in unfinished if h.task), return_exceptions=True)
+        if unfinished:
+            rows = await self._call(
+                self._calls.release, ([h.run_id for h in unfinished], [h.epoch for h in unfinished])
+            )
+            logger.info("released %s unfinished run(s) for other workers", rows[0][0])
+
+    # -- executing --------------------------------------------------------------------------
+
+    async def _execute(
+        self, held: _Held, workflow: Workflow, status: str, input: Any, attempt: int,
+        steps: dict[str, Any], timers: dict[str, Any],
+    ) -> None:
+        ctx = Context(
+            run_id=held.run_id,
+            workflow=workflow.name,
+            attempt=attempt,
+            store=_RunStore(self, held),
+            steps={
+                name: StoredStep(s["status"], s["output"], s["seq"], s["compensable"],
+                                 s["compensation_status"])
+                for name, s in steps.items()
+            },
+            timers={
+                name: (datetime.fromisoformat(t["wake_at"]), t["due"]) for name, t in timers.items()
+            },
+            compensating=status == "compensating",
+            default_retry=self.default_retry,
+        )
+        try:
+            if await self._run_body(held, workflow, ctx, input) == "compensate":
+                await self._compensate(held, ctx)
+        except (LeaseLost, LeaseLostInterrupt) as exc:
+            logger.warning("run %s dropped: %s", held.run_id, exc)
+        except asyncio.CancelledError:
+            logger.info("run %s cancelled in this worker", held.run_id)
+        except Exception:  # the database went away mid-run: the lease expires, another takes it
+            logger.exception("run %s interrupted by an internal error", held.run_id)
+        finally:
+            self._held.pop(held.run_id, None)
+            self._wakeup.set()
+
+    async def _run_body(self, held: _Held, workflow: Workflow, ctx: Context, input: Any) -> str:
+        """Run the workflow body; returns 'compensate' when the saga must run, else 'done'."""
+        try:
+            result = await workflow.fn(ctx, input)
+            if ctx.compensating:
+                return "compensate"
+            try:
+                payload = dumps(result)
+            except (TypeError, ValueError) as exc:
+                raise StepOutputNotSerializable(
+                    f"workflow {workflow.name!r} returned a {type(result).__name__} that is not"
+                    f" JSON serialisable: {exc}"
+                ) from exc
+            await self._committer.complete(held.run_id, held.epoch, payload)
+            logger.debug("run %s completed", held.run_id)
+            return "done"
+        except CompensateInterrupt as interrupt:
+            return interrupt.decision
+        except LeaseLostInterrupt:
+            raise
+        except Interrupt:
+            return "done"
+        except asyncio.CancelledError:
+            raise
+        except LeaseLost:
+            raise
+        except BaseException as exc:  # the body itself failed: the database decides what next
+            if ctx.compensating:
+                return "compensate"
+            logger.info("run %s failed outside a step: %r", held.run_id, exc)
+            row = await self._call_one(
+                self._calls.fail_run,
+                (held.run_id, held.epoch, psycopg.types.json.Jsonb(error_info(exc))),
+            )
+            return str(row[0])
+
+    async def _compensate(self, held: _Held, ctx: Context) -> None:
+        """Run the compensations of completed steps, newest first, storing each outcome."""
+        pending = sorted(
+            (
+                (name, step) for name, step in ctx.steps.items()
+                if step.status == "completed" and step.compensable
+                and step.compensation_status is None
+            ),
+            key=lambda item: item[1].seq,
+            reverse=True,
+        )
+        store = _RunStore(self, held)
+        for name, step in pending:
+            fn = ctx.compensations.get(name)
+            error: dict[str, Any] | None = None
+            if fn is None:
+                error = {"type": "CompensationUnavailable",
+                         "message": f"the workflow did not reach step {name!r} on replay, so its"
+                                    " compensation is unknown"}
+            else:
+                try:
+                    await call_user_function(store, fn, step.output)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # one failing compensation must not stop the rest
+                    error = error_info(exc)
+                    logger.warning("compensation of step %r in run %s failed: %s",
+                                   name, held.run_id, exc)
+            await self._call(
+                self._calls.record_compensation,
+                (held.run_id, held.epoch, name,
+                 None if error is None else psycopg.types.json.Jsonb(error)),
+            )
+        ok = await self._call_one(self._calls.finish_compensation, (held.run_id, held.epoch))
+        logger.info("run %s dead-lettered after compensation (all succeeded: %s)",
+                    held.run_id, ok[0])
+
+    # -- database ---------------------------------------------------------------------------
+
+    async def _call(self, query: Any, params: Any) -> list[Any]:
+        assert self._pool is not None
+        async with self._pool.connection() as conn:
+            with translated_errors():
+                cursor = await conn.execute(query, params)
+                return await cursor.fetchall() if cursor.description else []
+
+    async def _call_one(self, query: Any, params: Any) -> Any:
+        rows = await self._call(query, params)
+        return rows[0]

@@ -1,0 +1,109 @@
+"""Workflow registration: ``@flowly.workflow("name")`` on an ``async def wf(ctx, input)``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .db import dumps
+from .errors import InvalidArgument, UnknownWorkflow
+
+if TYPE_CHECKING:
+    from .context import Context
+
+WorkflowFn = Callable[["Context", Any], Awaitable[Any]]
+F = TypeVar("F", bound=WorkflowFn)
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A registered workflow: its name, its function and its defaults for new runs."""
+
+    name: str
+    fn: WorkflowFn
+    queue: str = "default"
+    max_attempts: int = 3
+
+
+_registry: dict[str, Workflow] = {}
+
+
+def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Callable[[F], F]:
+    """Register ``fn`` as the workflow ``name``.
+
+    ``queue`` and ``max_attempts`` (attempts of the whole run when the workflow body itself
+    raises outside a step) are the defaults for runs started through the Python API.
+    The decorated function is returned unchanged and stays directly callable.
+    """
+    if not name:
+        raise ValueError("workflow name must not be empty")
+
+    def register(fn: F) -> F:
+        _registry[name] = Workflow(name, fn, queue, max_attempts)
+        return fn
+
+    return register
+
+
+def registered() -> Mapping[str, Workflow]:
+    """All workflows registered in this process, by name."""
+    return dict(_registry)
+
+
+def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | None) -> dict[str, Workflow]:
+    """Turn names, :class:`Workflow` objects or decorated functions into a name map.
+
+    ``None`` means every registered workflow.
+    """
+    if workflows is None:
+        return dict(_registry)
+    by_fn = {wf.fn: wf for wf in _registry.values()}
+    resolved: dict[str, Workflow] = {}
+    for item in workflows:
+        if isinstance(item, Workflow):
+            wf = item
+        elif isinstance(item, str):
+            if item not in _registry:
+                raise UnknownWorkflow(f"workflow {item!r} is not registered")
+            wf = _registry[item]
+        elif item in by_fn:
+            wf = by_fn[item]
+        else:
+            raise UnknownWorkflow(f"{item!r} is not a registered workflow function")
+        resolved[wf.name] = wf
+    return resolved
+
+
+def start_params(
+    workflow: str,
+    input: Any,
+    run_id: str | None,
+    options: dict[str, Any],
+    defaults: Workflow | None = None,
+) -> dict[str, Any]:
+    """Named parameters for ``start``: the options a caller gave over the workflow's defaults."""
+    unknown = set(options) - {
+        "queue", "priority", "scheduled_for", "concurrency_key", "max_attempts", "timeout"
+    }
+    if unknown:
+        raise TypeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
+    timeout = options.get("timeout")
+    try:
+        payload = dumps(input)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(
+            f"input of a {workflow!r} run is not JSON serialisable: {exc}") from exc
+    return {
+        "workflow": workflow,
+        "input": payload,
+        "run_id": run_id,
+        "queue": options.get("queue") or (defaults.queue if defaults else "default"),
+        "priority": options.get("priority") or 0,
+        "scheduled_for": options.get("scheduled_for"),
+        "concurrency_key": options.get("concurrency_key"),
+        "max_attempts": options.get("max_attempts") or (defaults.max_attempts if defaults else 3),
+        "timeout": timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout,
+        "parent_run_id": None,
+    }

@@ -1,0 +1,33 @@
+-- Installs or upgrades flowly in one transaction:
+--     psql -v ON_ERROR_STOP=1 -f sql/install.sql                  (schema "flowly")
+--     psql -v ON_ERROR_STOP=1 -v schema=myapp_flowly -f sql/install.sql
+-- Applies the numbered migrations the schema does not have yet and records them in
+-- schema_migrations, exactly like `flowly install`; running it twice changes nothing.
+-- Append a block here for every new file in migrations/.
+\set ON_ERROR_STOP on
+\if :{?schema}
+\else
+    \set schema flowly
+\endif
+
+begin;
+set local client_min_messages = warning;
+-- the same lock `flowly install` takes, so concurrent installers apply each migration once
+select pg_advisory_xact_lock(7237142851620390001) as install_locked \gset
+create schema if not exists :"schema";
+select set_config('search_path', format('%I, pg_catalog, pg_temp', :'schema'), true) as search_path \gset
+\ir versions.sql
+
+select not exists (select from schema_migrations where version = 1) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0001_engine.sql
+    insert into schema_migrations (version, name) values (1, '0001_engine');
+\endif
+
+select not exists (select from schema_migrations where version = 2) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0002_dashboard_views.sql
+    insert into schema_migrations (version, name) values (2, '0002_dashboard_views');
+\endif
+
+commit;
