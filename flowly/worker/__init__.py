@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ..context import (
@@ -90,7 +91,7 @@ class _RunStore:
         row = await self._worker._call_one(
             self._worker._calls.fail_step,
             (
-                self._held.run_id, self._held.epoch, name, psycopg.types.json.Jsonb(error),
+                self._held.run_id, self._held.epoch, name, Jsonb(error),
                 started_at, retry.max_attempts, retry.backoff, retry.initial_delay_seconds,
                 retry.max_delay_seconds, retryable,
             ),
@@ -377,7 +378,7 @@ class Worker:
             logger.info("run %s failed outside a step: %r", held.run_id, exc)
             row = await self._call_one(
                 self._calls.fail_run,
-                (held.run_id, held.epoch, psycopg.types.json.Jsonb(error_info(exc))),
+                (held.run_id, held.epoch, Jsonb(error_info(exc))),
             )
             return str(row[0])
 
@@ -412,7 +413,7 @@ class Worker:
             await self._call(
                 self._calls.record_compensation,
                 (held.run_id, held.epoch, name,
-                 None if error is None else psycopg.types.json.Jsonb(error)),
+                 None if error is None else Jsonb(error)),
             )
         ok = await self._call_one(self._calls.finish_compensation, (held.run_id, held.epoch))
         logger.info("run %s dead-lettered after compensation (all succeeded: %s)",

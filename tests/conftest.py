@@ -1,0 +1,99 @@
+"""Fixtures: a fresh PostgreSQL database per test, with flowly installed.
+
+The server is, in order: FLOWLY_TEST_DSN (libpq conninfo or URL of a server we may create
+databases on); the embedded PostgreSQL when FLOWLY_TEST_EMBEDDED=1 or when nothing answers at
+127.0.0.1:5432; else the local server at 127.0.0.1:5432 as user root (CI's PostgreSQL 15).
+pytest-postgresql builds a template database with flowly installed once per session and
+clones it for every test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql import factories
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _local_server_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _server() -> dict[str, Any]:
+    if os.environ.get("FLOWLY_TEST_DSN"):
+        return conninfo_to_dict(os.environ["FLOWLY_TEST_DSN"])
+    if os.environ.get("FLOWLY_TEST_EMBEDDED") == "1" or not _local_server_up():
+        from flowly.embedded import embedded_dsn
+
+        data_dir = ROOT / ".flowly" / f"test-pg{os.environ.get('FLOWLY_TEST_PG_VERSION', '18')}"
+        return conninfo_to_dict(
+            embedded_dsn(data_dir, version=os.environ.get("FLOWLY_TEST_PG_VERSION", "18"))
+        )
+    return {"host": "127.0.0.1", "port": 5432, "user": "root"}
+
+
+SERVER = _server()
+
+
+def _install(host: str, port: int, user: str, dbname: str, password: str | None = None,
+             **_: Any) -> None:
+    from flowly.schema import install_dsn
+
+    install_dsn(make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password))
+
+
+postgresql_noproc = factories.postgresql_noproc(
+    host=str(SERVER.get("host", "127.0.0.1")),
+    port=int(SERVER.get("port", 5432)),
+    user=SERVER.get("user", "root"),
+    password=SERVER.get("password"),
+    load=[_install],
+)
+postgresql = factories.postgresql("postgresql_noproc", dbname="flowly_test")
+
+bare_noproc = factories.postgresql_noproc(
+    host=str(SERVER.get("host", "127.0.0.1")),
+    port=int(SERVER.get("port", 5432)),
+    user=SERVER.get("user", "root"),
+    password=SERVER.get("password"),
+)
+bare_postgresql = factories.postgresql("bare_noproc", dbname="flowly_bare")
+
+
+def _dsn_of(conn: psycopg.Connection[Any]) -> str:
+    info = conn.info
+    return make_conninfo(host=info.host, port=info.port, user=info.user, dbname=info.dbname,
+                         password=info.password or None)
+
+
+@pytest.fixture
+def dsn(postgresql: psycopg.Connection[Any]) -> str:
+    """DSN of a fresh database with flowly installed in schema "flowly"."""
+    return _dsn_of(postgresql)
+
+
+@pytest.fixture
+def empty_dsn(bare_postgresql: psycopg.Connection[Any]) -> str:
+    """DSN of a fresh database without flowly."""
+    return _dsn_of(bare_postgresql)
+
+
+@pytest.fixture
+def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test database, for SQL-level checks."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        yield conn

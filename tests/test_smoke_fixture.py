@@ -1,0 +1,2 @@
+def test_fixture(db):
+    assert db.execute("select flowly.start('x')").fetchone()[0]
