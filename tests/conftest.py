@@ -52,8 +52,12 @@ SERVER = _server()
 def _install(host: str, port: int, user: str, dbname: str, password: str | None = None,
              **_: Any) -> None:
     from flowly.schema import install_dsn
+    from tests.workflows import EFFECTS_TABLE
 
-    install_dsn(make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password))
+    conninfo = make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password)
+    install_dsn(conninfo)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(EFFECTS_TABLE)
 
 
 postgresql_noproc = factories.postgresql_noproc(

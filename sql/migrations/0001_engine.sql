@@ -566,15 +566,18 @@ as $$
 declare
     v_run runs;
     v_failures integer;
+    v_failed_at timestamptz := clock_timestamp();
 begin
     v_run := lock_held_run(p_run_id, p_epoch, array['running']);
     select count(*) + 1 into v_failures from step_attempts a
     where a.run_id = p_run_id and a.step_name = p_name and a.generation = v_run.generation;
     if p_retryable and v_failures < p_max_attempts then
-        retry_at := now() + backoff_delay(p_backoff, p_initial_delay, p_max_delay, v_failures);
+        retry_at := v_failed_at + backoff_delay(p_backoff, p_initial_delay, p_max_delay, v_failures);
     end if;
-    insert into step_attempts (run_id, step_name, generation, attempt, error, started_at, retry_at)
-    values (p_run_id, p_name, v_run.generation, v_failures, p_error, p_started_at, retry_at);
+    insert into step_attempts (run_id, step_name, generation, attempt, error, started_at,
+                               failed_at, retry_at)
+    values (p_run_id, p_name, v_run.generation, v_failures, p_error, p_started_at, v_failed_at,
+            retry_at);
     if retry_at is not null then
         perform release_held_run(p_run_id, retry_at);
         decision := 'retry';

@@ -1,0 +1,113 @@
+"""Running real workers for tests: in a thread of this process, or as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import flowly
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def running_worker(dsn: str, **options: Any) -> Iterator[flowly.Worker]:
+    """A Worker running on its own event loop in a thread; stopped gracefully on exit."""
+    options.setdefault("poll_interval", 0.1)
+    worker = flowly.Worker(dsn, **options)
+    loop = asyncio.new_event_loop()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(worker.run())
+        except BaseException as exc:  # surfaced to the test below
+            errors.append(exc)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(worker.stop)
+        thread.join(60)
+        assert not thread.is_alive(), "worker did not stop"
+        assert not errors, f"worker crashed: {errors!r}"
+
+
+class WorkerProcess:
+    """``python -m flowly.worker --app tests.workflows`` as a real child process."""
+
+    def __init__(self, dsn: str, *args: str) -> None:
+        env = {**os.environ, "FLOWLY_DSN": dsn, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowly.worker", "--app", "tests.workflows", "--dsn", dsn,
+             "--poll-interval", "0.1", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30) -> str:
+        """SIGTERM (or SIGKILL if it does not exit in time); returns everything it logged."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out
+
+    def kill(self) -> str:
+        self.proc.kill()
+        out, _ = self.proc.communicate()
+        return out
+
+
+@contextmanager
+def worker_process(dsn: str, *args: str) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(dsn, *args)
+    try:
+        yield process
+    finally:
+        if process.proc.poll() is None:
+            process.kill()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 20, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
+    row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]

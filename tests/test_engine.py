@@ -1,0 +1,271 @@
+"""The engine end to end through the public API, with a real worker in this process."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from tests import workflows
+from tests.support import running_worker, scalar, wait_for
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+def test_completed_steps_are_replayed_not_executed(dsn: str, client: flowly.Client) -> None:
+    """The body fails once after a step and a child start; the retry replays both."""
+    run_id = client.start("replay", {})
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=30)
+        assert run.status == "completed", run.error
+    assert workflows.CALLS[run_id] == ["counted"]  # executed once over two attempts
+    assert run.attempt == 2 and run.output["attempt"] == 2
+    stored = client.steps(run_id)
+    assert [s.name for s in stored] == ["counted"]
+    assert run.output["first"] == stored[0].output  # the replay returned the stored output
+    children = client.list_runs(workflow="quick")
+    assert [c.id for c in children] == [run.output["child"]]  # started once, not twice
+    assert children[0].parent_run_id == run_id
+
+
+def test_step_retries_follow_each_backoff_kind(dsn: str, client: flowly.Client,
+                                               db: psycopg.Connection[Any]) -> None:
+    expected = {
+        "fixed": [0.2, 0.2, 0.2],
+        "linear": [0.2, 0.4, 0.6],
+        "exponential": [0.2, 0.4, 0.8],
+    }
+    runs = {kind: client.start("flaky", {"failures": 3, "backoff": kind, "initial_delay": 0.2})
+            for kind in expected}
+    capped = client.start("flaky", {"failures": 3, "backoff": "exponential",
+                                    "initial_delay": 0.2, "max_delay": 0.3})
+    with running_worker(dsn):
+        for run_id in [*runs.values(), capped]:
+            assert client.wait(run_id, timeout=30).status == "completed"
+    for kind, run_id in [*runs.items(), ("capped", capped)]:
+        attempts = db.execute(
+            "select extract(epoch from retry_at - failed_at)::float, started_at, retry_at"
+            " from flowly.step_attempts where run_id = %s order by attempt", (run_id,)).fetchall()
+        delays = [round(a[0], 3) for a in attempts]
+        assert delays == (expected[kind] if kind != "capped" else [0.2, 0.3, 0.3]), kind
+        final_start = scalar(db, "select started_at from flowly.steps where run_id = %s", run_id)
+        next_starts = [a[1] for a in attempts[1:]] + [final_start]
+        for (_, _, retry_at), started in zip(attempts, next_starts, strict=True):
+            assert started >= retry_at - timedelta(milliseconds=20)  # never before its time
+        step = client.steps(run_id)[0]
+        assert step.attempts == 4 and step.output == 4
+
+
+def test_exhausted_step_compensates_in_reverse_and_dead_letters(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("saga", None)
+    workflows.SAGA_FAILS.add(run_id)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "dead_letter"
+    assert run.compensation_ok is False  # s2's compensation failed
+    assert run.error["step"] == "s4" and run.error["message"] == "s4 always fails"
+    log = workflows.CALLS[run_id]
+    assert log == ["do:s1", "do:s2", "do:s3", "do:s4", "do:s4", "undo:s3", "undo:s2", "undo:s1"]
+    outcomes = {s.name: (s.status, s.compensation_status) for s in client.steps(run_id)}
+    assert outcomes == {"s1": ("completed", "completed"), "s2": ("completed", "failed"),
+                        "s3": ("completed", "completed"), "s4": ("failed", None)}
+    assert client.steps(run_id)[1].compensation_error["message"] == "compensation of s2 failed"
+    row = db.execute("select failed_step, compensation_ok from flowly.dead_letters"
+                     " where run_id = %s", (run_id,)).fetchone()
+    assert row == ("s4", False)
+
+    # fixed: retrying re-runs the undone steps and the failed one, replays s2 (not undone)
+    workflows.SAGA_FAILS.discard(run_id)
+    log.clear()
+    assert client.retry_dead_letter(run_id) == run_id
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.output == "ok"
+    assert log == ["do:s1", "do:s3", "do:s4"]
+    assert {s.name: s.status for s in client.steps(run_id)} == {
+        "s1": "completed", "s2": "completed", "s3": "completed", "s4": "completed"}
+
+
+def test_retry_dead_letter_refuses_other_states(client: flowly.Client) -> None:
+    run_id = client.start("quick", 1)
+    with pytest.raises(flowly.InvalidState, match="only a dead_letter run"):
+        client.retry_dead_letter(run_id)
+    with pytest.raises(flowly.RunNotFound):
+        client.retry_dead_letter("no-such-run")
+
+
+def test_start_is_idempotent_on_run_id(client: flowly.Client, db: psycopg.Connection[Any]) -> None:
+    first = client.start("quick", {"n": 1}, run_id="order-42")
+    again = client.start("quick", {"n": 2}, run_id="order-42")
+    from_sql = scalar(db, "select flowly.start('quick', '{\"n\": 3}', run_id => 'order-42')")
+    assert first == again == from_sql == "order-42"
+    assert scalar(db, "select count(*) from flowly.runs") == 1
+    assert client.get("order-42").input == {"n": 1}
+
+
+def test_concurrency_key_admits_one_live_run(dsn: str, client: flowly.Client) -> None:
+    first = client.start("quick", 1, concurrency_key="customer-7")
+    second = client.start("quick", 2, concurrency_key="customer-7")
+    assert second == first  # the live run, not a duplicate
+    with running_worker(dsn):
+        client.wait(first, timeout=20)
+        third = client.start("quick", 3, concurrency_key="customer-7")
+        assert third != first  # admitted once the first finished
+        assert client.wait(third, timeout=20).status == "completed"
+
+
+def test_start_joins_the_callers_transaction(dsn: str, client: flowly.Client) -> None:
+    with psycopg.connect(dsn) as app:
+        rolled_back = client.start("quick", 1, conn=app)
+        app.rollback()
+        committed = client.start("quick", 2, conn=app)
+        app.commit()
+    with pytest.raises(flowly.RunNotFound):
+        client.get(rolled_back)
+    assert client.get(committed).status == "pending"
+
+
+def test_start_from_a_trigger(dsn: str, client: flowly.Client,
+                              db: psycopg.Connection[Any]) -> None:
+    db.execute("""
+        create table orders (id int primary key, sku text);
+        create function enqueue_order() returns trigger language plpgsql as $$
+        begin
+            perform flowly.start('quick', to_jsonb(new), run_id => 'order-' || new.id);
+            return new;
+        end $$;
+        create trigger orders_enqueue after insert on orders
+            for each row execute function enqueue_order();
+    """)
+    db.execute("insert into orders values (1, 'book')")
+    with running_worker(dsn):
+        run = client.wait("order-1", timeout=20)
+    assert run.status == "completed"
+    assert run.output == {"input": {"id": 1, "sku": "book"}, "total": 3}
+
+
+def test_cancel_a_running_run_stops_its_step(dsn: str, client: flowly.Client) -> None:
+    run_id = client.start("slow", {"seconds": 30})
+    with running_worker(dsn, lease=1.5):
+        wait_for(lambda: client.get(run_id).status == "running", what="run claimed")
+        time.sleep(0.2)
+        assert client.cancel(run_id) == "cancelled"
+        wait_for(lambda: run_id in workflows.CANCELLED, timeout=5, what="step task cancelled")
+    assert client.get(run_id).status == "cancelled"
+    assert client.steps(run_id) == []
+
+
+def test_cancel_a_sleeping_run(dsn: str, client: flowly.Client,
+                               db: psycopg.Connection[Any]) -> None:
+    run_id = client.start("sleepy", {"seconds": 0.6})
+    with running_worker(dsn):
+        wait_for(lambda: scalar(db, "select count(*) from flowly.timers where run_id = %s",
+                                run_id), what="timer written")
+        assert client.cancel(run_id) == "cancelled"
+        time.sleep(1.2)  # past the wake time: a worker must not resume it
+    assert client.get(run_id).status == "cancelled"
+    assert [s.name for s in client.steps(run_id)] == ["before"]
+    assert client.cancel(run_id) == "cancelled"  # cancelling again changes nothing
+
+
+def test_run_timeout_dead_letters_and_stops_the_run(dsn: str, client: flowly.Client) -> None:
+    run_id = client.start("slow", {"seconds": 30}, timeout=1)
+    with running_worker(dsn, lease=1.5):
+        run = client.wait(run_id, timeout=10)
+        wait_for(lambda: run_id in workflows.CANCELLED, timeout=5, what="timed-out step cancelled")
+    assert run.status == "dead_letter"
+    assert run.error["type"] == "Timeout"
+
+
+def test_non_json_step_output_fails_the_run_not_the_worker(dsn: str,
+                                                           client: flowly.Client) -> None:
+    bad = client.start("bad_output", None)
+    poison = client.start("poison", None)
+    with running_worker(dsn):
+        assert client.wait(bad, timeout=20).status == "dead_letter"
+        assert client.wait(poison, timeout=20).status == "dead_letter"
+        good = client.start("quick", 1)
+        assert client.wait(good, timeout=20).status == "completed"  # the worker lives on
+    error = client.get(bad).error
+    assert error["type"] == "StepOutputNotSerializable"
+    assert "step 'make_object'" in error["message"]
+    assert client.steps(bad)[0].attempts == 1  # not retried: it would fail the same way
+    assert client.get(poison).error["type"] == "SystemExit"
+
+
+def test_sleep_cannot_be_swallowed_by_except_exception(dsn: str, client: flowly.Client) -> None:
+    run_id = client.start("catches_everything", {"seconds": 0.3})
+    with running_worker(dsn):
+        assert client.wait(run_id, timeout=20).output == "slept"
+
+
+def test_unknown_workflow_waits_for_a_worker_that_knows_it(dsn: str,
+                                                           client: flowly.Client) -> None:
+    stranger = client.start("not_registered_here", None)
+    known = client.start("quick", 1)
+    with running_worker(dsn, workflows=["quick"]):
+        assert client.wait(known, timeout=20).status == "completed"
+    assert client.get(stranger).status == "pending"
+
+
+def test_bad_input_is_named(client: flowly.Client) -> None:
+    with pytest.raises(flowly.InvalidArgument, match="not JSON serialisable"):
+        client.start("quick", object())
+    with pytest.raises(flowly.InvalidArgument, match="max_attempts"):
+        client.start("quick", 1, max_attempts=-1)
+    with pytest.raises(flowly.RunNotFound):
+        client.get("missing")
+    with pytest.raises(ValueError, match="backoff"):
+        flowly.Retry(backoff="random")  # type: ignore[arg-type]
+    with pytest.raises(flowly.UnknownWorkflow):
+        flowly.Worker("postgresql://unused", ["never_registered"])
+
+
+def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
+    db: psycopg.Connection[Any],
+) -> None:
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w1', array['quick'],"
+                       " array['default'], 1, '1 millisecond')")
+    time.sleep(0.01)
+    taken = scalar(db, "select lease_epoch from flowly.claim('w2', array['quick'],"
+                       " array['default'], 1, '30 seconds')")
+    assert taken == epoch + 1  # expired lease taken over, attempt not burnt
+    assert scalar(db, "select attempt from flowly.runs where id = 'r1'") == 1
+    with pytest.raises(psycopg.Error) as info:
+        db.execute("select flowly.checkpoint('r1', %s, 's', '1')", (epoch,))
+    assert info.value.sqlstate == "WF001"
+    assert scalar(db, "select flowly.checkpoint('r1', %s, 's', '2')", taken) == 2
+    assert scalar(db, "select flowly.checkpoint('r1', %s, 's', '3')", taken) == 2  # first wins
+    lost = db.execute("select * from flowly.heartbeat('w1', array['r1'], array[%s]::bigint[],"
+                      " '30 seconds')", (epoch,)).fetchall()
+    assert lost == [("r1",)]
+
+
+def test_many_runs_share_a_handful_of_connections(dsn: str, client: flowly.Client,
+                                                  db: psycopg.Connection[Any]) -> None:
+    """Concurrency 200, 2,000 runs: the worker holds max_connections + 1 (listener)."""
+    db.execute("select flowly.start('io_bound', jsonb_build_object('seconds', 0.05))"
+               " from generate_series(1, 2000)")
+    peak = 0
+    with running_worker(dsn, concurrency=200, max_connections=4):
+        def done() -> bool:
+            nonlocal peak
+            peak = max(peak, scalar(
+                db, "select count(*) from pg_stat_activity"
+                    " where datname = current_database() and pid <> pg_backend_pid()"))
+            return bool(scalar(db, "select count(*) = 2000 from flowly.runs"
+                                   " where status = 'completed'"))
+        wait_for(done, timeout=90, interval=0.02, what="2,000 runs completed")
+    assert 2 <= peak <= 4 + 1 + 1  # pool + listener + this test's client connection

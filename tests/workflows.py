@@ -1,0 +1,179 @@
+"""Workflows the tests run, in-process or in worker subprocesses (``--app tests.workflows``).
+
+Side effects that must be counted across processes go to the ``test_effects`` table of the
+test database (FLOWLY_DSN); in-process tests also use the module-level ``CALLS`` log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import psycopg
+
+import flowly
+
+CALLS: dict[str, list[str]] = defaultdict(list)
+CANCELLED: set[str] = set()
+SAGA_FAILS: set[str] = set()
+
+EFFECTS_TABLE = """
+create table if not exists public.test_effects (
+    run_id text not null, step text not null, pid integer not null,
+    at timestamptz not null default clock_timestamp()
+)
+"""
+
+
+def record_effect(run_id: str, step: str) -> int:
+    """Insert a row into test_effects (visible to the test whatever process ran the step)."""
+    with psycopg.connect(os.environ["FLOWLY_DSN"], autocommit=True) as conn:
+        conn.execute("insert into public.test_effects (run_id, step, pid) values (%s, %s, %s)",
+                     (run_id, step, os.getpid()))
+    return os.getpid()
+
+
+def slow_effect(run_id: str, step: str, seconds: float) -> dict[str, Any]:
+    pid = record_effect(run_id, step)
+    time.sleep(seconds)
+    return {"step": step, "pid": pid}
+
+
+@flowly.workflow("three_steps")
+async def three_steps(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
+    """Three recorded steps, each taking ``step_seconds``."""
+    outputs = {}
+    for name in ("a", "b", "c"):
+        outputs[name] = await ctx.step(name, slow_effect, ctx.run_id, name,
+                                       inp.get("step_seconds", 0))
+    return outputs
+
+
+@flowly.workflow("quick")
+async def quick(ctx: flowly.Context, inp: Any) -> Any:
+    """Three async steps that only yield to the loop; for throughput and many-run tests."""
+    total = 0
+    for name in ("one", "two", "three"):
+        total += await ctx.step(name, _add_one, total)
+    return {"input": inp, "total": total}
+
+
+async def _add_one(value: int) -> int:
+    await asyncio.sleep(0)
+    return 1
+
+
+@flowly.workflow("io_bound")
+async def io_bound(ctx: flowly.Context, inp: dict[str, Any]) -> int:
+    """One step that waits ``seconds`` on the loop, like a network call."""
+    async def wait() -> int:
+        await asyncio.sleep(inp.get("seconds", 0.05))
+        return 1
+
+    return int(await ctx.step("wait", wait))
+
+
+@flowly.workflow("sleepy")
+async def sleepy(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
+    """A step, a durable sleep, a step that reports when it ran."""
+    await ctx.step("before", record_effect, ctx.run_id, "before")
+    await ctx.sleep("nap", inp["seconds"])
+    woke = await ctx.step("after", lambda: time.time())
+    return {"woke": woke}
+
+
+@flowly.workflow("flaky")
+async def flaky(ctx: flowly.Context, inp: dict[str, Any]) -> int:
+    """A step that fails ``failures`` times, then succeeds, under the given backoff."""
+    def attempt() -> int:
+        CALLS[ctx.run_id].append("attempt")
+        if len(CALLS[ctx.run_id]) <= inp["failures"]:
+            raise ConnectionError(f"transient failure {len(CALLS[ctx.run_id])}")
+        return len(CALLS[ctx.run_id])
+
+    retry = flowly.Retry(max_attempts=inp.get("max_attempts", 5), backoff=inp["backoff"],
+                         initial_delay=inp["initial_delay"], max_delay=inp.get("max_delay", 60))
+    return int(await ctx.step("call", attempt, retry=retry))
+
+
+@flowly.workflow("saga")
+async def saga(ctx: flowly.Context, inp: Any) -> str:
+    """Three compensable steps (the second's compensation fails), then one that fails while
+    the run id is in SAGA_FAILS."""
+    log = CALLS[ctx.run_id]
+
+    def do(name: str) -> str:
+        log.append(f"do:{name}")
+        return name
+
+    def undo(output: str) -> None:
+        log.append(f"undo:{output}")
+        if output == "s2":
+            raise RuntimeError("compensation of s2 failed")
+
+    for name in ("s1", "s2", "s3"):
+        await ctx.step(name, do, name, compensate=undo)
+
+    def final() -> str:
+        log.append("do:s4")
+        if ctx.run_id in SAGA_FAILS:
+            raise ValueError("s4 always fails")
+        return "ok"
+
+    return str(await ctx.step("s4", final, retry=flowly.Retry(max_attempts=2, initial_delay=0.05)))
+
+
+@flowly.workflow("replay")
+async def replay(ctx: flowly.Context, inp: Any) -> dict[str, Any]:
+    """A counted step and a child run, then a body failure on the first attempt only."""
+    def counted() -> dict[str, Any]:
+        CALLS[ctx.run_id].append("counted")
+        return {"at": time.time()}
+
+    first = await ctx.step("counted", counted)
+    child = await ctx.start("quick", {"parent": ctx.run_id})
+    if ctx.attempt == 1:
+        raise RuntimeError("the body fails once, outside any step")
+    return {"first": first, "child": child, "attempt": ctx.attempt}
+
+
+@flowly.workflow("slow")
+async def slow(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """One async step that waits ``seconds`` and notes if it was cancelled."""
+    async def wait() -> str:
+        try:
+            await asyncio.sleep(inp.get("seconds", 30))
+        except asyncio.CancelledError:
+            CANCELLED.add(ctx.run_id)
+            raise
+        return "waited"
+
+    return str(await ctx.step("wait", wait))
+
+
+@flowly.workflow("bad_output")
+async def bad_output(ctx: flowly.Context, inp: Any) -> Any:
+    """A step whose output is not JSON."""
+    return await ctx.step("make_object", lambda: object())
+
+
+@flowly.workflow("poison")
+async def poison(ctx: flowly.Context, inp: Any) -> Any:
+    """A step that raises SystemExit, which must fail the run and not the worker."""
+    def die() -> None:
+        raise SystemExit("poison step")
+
+    return await ctx.step("die", die, retry=flowly.Retry(max_attempts=1))
+
+
+@flowly.workflow("catches_everything")
+async def catches_everything(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """A body that swallows Exception around a durable sleep: the sleep must still work."""
+    try:
+        await ctx.sleep("nap", inp["seconds"])
+    except Exception:
+        return "swallowed"
+    return "slept"
