@@ -1,0 +1,33 @@
+# Every target builds or reuses the local virtualenv .venv, so a fresh machine needs only
+# Python 3.11+ (and no PostgreSQL: without a DSN flowly starts an embedded one).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-embedded lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/flowly demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+# the same suite on the embedded PostgreSQL 18 (CI runs both)
+test-embedded: $(BIN)/.installed
+	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check flowly tests bench examples
+	$(BIN)/mypy
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/throughput.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .flowly .pytest_cache .mypy_cache .ruff_cache
