@@ -55,6 +55,7 @@ class GroupCommitter:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._closed = False
 
     def start(self) -> None:
         self._tasks = [
@@ -67,6 +68,7 @@ class GroupCommitter:
         self._closing = True
         self._wakeup.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._closed = True
 
     async def checkpoint(
         self, run_id: str, epoch: int, name: str, payload: str, started_at: datetime,
@@ -87,7 +89,7 @@ class GroupCommitter:
         await done
 
     def _enqueue(self, item: _Checkpoint | _Completion) -> None:
-        if self._closing and not self._tasks:
+        if self._closed:
             raise RuntimeError("the worker's group committer is closed")
         self._pending.append(item)
         self._wakeup.set()

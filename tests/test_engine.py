@@ -269,3 +269,62 @@ def test_many_runs_share_a_handful_of_connections(dsn: str, client: flowly.Clien
                                    " where status = 'completed'"))
         wait_for(done, timeout=90, interval=0.02, what="2,000 runs completed")
     assert 2 <= peak <= 4 + 1 + 1  # pool + listener + this test's client connection
+
+
+def test_sleep_until_wakes_at_the_given_time(dsn: str, client: flowly.Client) -> None:
+    at = time.time() + 0.8
+    run_id = client.start("alarm", {"at": at})
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed"
+    assert at <= run.output <= at + 1.0
+
+
+def test_worker_survives_a_dropped_listener(dsn: str, client: flowly.Client,
+                                            db: psycopg.Connection[Any]) -> None:
+    """NOTIFY wakes an idle worker at once; if the LISTEN connection dies, polling carries on
+    and the listener comes back."""
+    listeners = ("select pid from pg_stat_activity where datname = current_database()"
+                 " and query ilike 'listen %%'")
+    with running_worker(dsn, poll_interval=3):
+        first = wait_for(lambda: scalar(db, listeners), what="listener connected")
+        time.sleep(0.3)  # idle: the next run must be woken by NOTIFY, well before a poll
+        started = time.monotonic()
+        assert client.wait(client.start("quick", 1), timeout=20).status == "completed"
+        assert time.monotonic() - started < 2.0
+        db.execute("select pg_terminate_backend(%s)", (first,))
+        assert client.wait(client.start("quick", 2), timeout=20).status == "completed"
+        second = wait_for(lambda: scalar(db, listeners), what="listener reconnected")
+        assert second != first
+
+
+def test_async_client(dsn: str) -> None:
+    import asyncio
+
+    async def scenario() -> tuple[flowly.Run, list[flowly.Step], str]:
+        async with flowly.AsyncClient(dsn) as client:
+            run_id = await client.start("quick", {"n": 1}, run_id="async-1")
+            assert await client.start("quick", {"n": 2}, run_id="async-1") == run_id
+            with running_worker(dsn):
+                run = await client.wait(run_id, timeout=20)
+            other = await client.start("slow", {"seconds": 30})
+            with pytest.raises(flowly.RunTimeout):
+                await client.wait(other, "completed", timeout=0.2)
+            return run, await client.steps(run_id), await client.cancel(other)
+
+    run, steps, cancelled = asyncio.run(scenario())
+    assert run.status == "completed" and run.output == {"input": {"n": 1}, "total": 3}
+    assert [s.name for s in steps] == ["one", "two", "three"]
+    assert cancelled == "cancelled"
+
+
+def test_retry_dead_letter_respects_the_concurrency_key(dsn: str, client: flowly.Client) -> None:
+    failed = client.start("saga", None, concurrency_key="k")
+    workflows.SAGA_FAILS.add(failed)
+    with running_worker(dsn):
+        assert client.wait(failed, timeout=30).status == "dead_letter"
+    live = client.start("slow", {"seconds": 30}, concurrency_key="k")
+    with pytest.raises(flowly.InvalidState, match=f"run {live} of concurrency key k is live"):
+        client.retry_dead_letter(failed)
+    client.cancel(live)
+    assert client.retry_dead_letter(failed) == failed

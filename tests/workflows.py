@@ -177,3 +177,12 @@ async def catches_everything(ctx: flowly.Context, inp: dict[str, Any]) -> str:
     except Exception:
         return "swallowed"
     return "slept"
+
+
+@flowly.workflow("alarm")
+async def alarm(ctx: flowly.Context, inp: dict[str, Any]) -> float:
+    """Sleeps until an absolute time given as a POSIX timestamp, then reports the time."""
+    from datetime import datetime, timezone
+
+    await ctx.sleep_until("alarm", datetime.fromtimestamp(inp["at"], timezone.utc))
+    return float(await ctx.step("rang", lambda: time.time()))

@@ -733,5 +733,13 @@ begin
     where r.id = v_run.id;
     perform pg_notify(wakeup_channel(), v_run.queue);
     return v_run.id;
+exception
+    when unique_violation then
+        raise exception 'run % cannot be retried while run % of concurrency key % is live',
+            v_run.id,
+            (select r.id from runs r where r.concurrency_key = v_run.concurrency_key
+                and r.status in ('pending', 'running', 'compensating')),
+            v_run.concurrency_key
+            using errcode = 'WF004';
 end
 $$;
