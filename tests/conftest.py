@@ -60,22 +60,19 @@ def _install(host: str, port: int, user: str, dbname: str, password: str | None 
         conn.execute(EFFECTS_TABLE)
 
 
+# database names carry the pid, so pytest sessions running side by side do not collide
+_SERVER_ARGS: dict[str, Any] = {
+    "host": str(SERVER.get("host", "127.0.0.1")),
+    "port": int(SERVER.get("port", 5432)),
+    "user": SERVER.get("user", "root"),
+    "password": SERVER.get("password"),
+}
 postgresql_noproc = factories.postgresql_noproc(
-    host=str(SERVER.get("host", "127.0.0.1")),
-    port=int(SERVER.get("port", 5432)),
-    user=SERVER.get("user", "root"),
-    password=SERVER.get("password"),
-    load=[_install],
+    **_SERVER_ARGS, dbname=f"flowly_test_{os.getpid()}", load=[_install]
 )
-postgresql = factories.postgresql("postgresql_noproc", dbname="flowly_test")
-
-bare_noproc = factories.postgresql_noproc(
-    host=str(SERVER.get("host", "127.0.0.1")),
-    port=int(SERVER.get("port", 5432)),
-    user=SERVER.get("user", "root"),
-    password=SERVER.get("password"),
-)
-bare_postgresql = factories.postgresql("bare_noproc", dbname="flowly_bare")
+postgresql = factories.postgresql("postgresql_noproc")
+bare_noproc = factories.postgresql_noproc(**_SERVER_ARGS, dbname=f"flowly_bare_{os.getpid()}")
+bare_postgresql = factories.postgresql("bare_noproc")
 
 
 def _dsn_of(conn: psycopg.Connection[Any]) -> str:

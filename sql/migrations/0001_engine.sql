@@ -36,7 +36,6 @@ create table runs (
     locked_until timestamptz,
     -- when the run may next be claimed: its due time while unheld, its lease expiry while held
     available_at timestamptz generated always as (coalesce(locked_until, scheduled_for)) stored,
-    step_count integer not null default 0,
     compensation_ok boolean,
     created_at timestamptz not null default now(),
     started_at timestamptz,
@@ -65,7 +64,7 @@ create index runs_parent on runs (parent_run_id) where parent_run_id is not null
 create table steps (
     run_id text not null references runs (id) on delete cascade,
     name text not null,
-    seq integer not null,
+    seq bigint not null,
     status text not null,
     output jsonb,
     error jsonb,
@@ -359,54 +358,55 @@ begin
 end
 $$;
 
+-- Orders steps: across runs only its monotonicity matters (replay and LIFO compensation order).
+create sequence step_seq;
+
 -- Stores the outputs of completed steps of many runs in one statement (the worker
--- group-commits concurrent runs' steps). Each item is fenced on its own: a stale one writes
--- nothing and comes back with lease_lost, the others go through. A step already checkpointed
--- keeps its first output (on conflict do nothing) and that stored output is returned, so a
--- racing duplicate continues with the value every replay will see.
+-- group-commits concurrent runs' steps). Each item is fenced on its own: the run row is
+-- share-locked while its epoch is checked, so a takeover cannot slip in between; a stale item
+-- writes nothing and comes back with lease_lost, the others go through. A step already
+-- checkpointed keeps its first output (on conflict do nothing) and that stored output is
+-- returned, so a racing duplicate continues with the value every replay will see. Rows come
+-- back in input order.
 create function checkpoint_steps(
     p_run_ids text[], p_epochs bigint[], p_names text[], p_outputs jsonb[],
     p_started_at timestamptz[], p_compensable boolean[]
-) returns table (run_id text, name text, lease_lost boolean, output jsonb, seq integer)
-language plpgsql
+) returns table (run_id text, name text, lease_lost boolean, output jsonb, seq bigint)
+language sql
 set search_path from current
 as $$
-declare
-    v_seq integer;
-    v_generation integer;
-begin
-    for i in 1..coalesce(array_length(p_run_ids, 1), 0) loop
-        run_id := p_run_ids[i];
-        name := p_names[i];
-        update runs r set step_count = r.step_count + 1
-        where r.id = p_run_ids[i] and r.lease_epoch = p_epochs[i]
-          and r.status in ('running', 'compensating')
-        returning r.step_count, r.generation into v_seq, v_generation;
-        if not found then
-            lease_lost := true;
-            output := null;
-            seq := null;
-            return next;
-            continue;
-        end if;
+    with items as (
+        select i.run_id, i.epoch, i.name, i.output, i.started_at, i.compensable, i.ord
+        from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
+            with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
+    ), fenced as (
+        select r.id, r.generation from runs r
+        join items i on i.run_id = r.id and i.epoch = r.lease_epoch
+        where r.status in ('running', 'compensating')
+        for share of r
+    ), inserted as (
         insert into steps (run_id, name, seq, status, output, attempts, started_at, compensable)
-        values (p_run_ids[i], p_names[i], v_seq, 'completed', p_outputs[i],
-                1 + (select count(*) from step_attempts a
-                     where a.run_id = p_run_ids[i] and a.step_name = p_names[i]
-                       and a.generation = v_generation),
-                p_started_at[i], p_compensable[i])
-        on conflict do nothing;
-        lease_lost := false;
-        if found then
-            output := p_outputs[i];
-            seq := v_seq;
-        else
-            select s.output, s.seq into output, seq from steps s
-            where s.run_id = p_run_ids[i] and s.name = p_names[i];
-        end if;
-        return next;
-    end loop;
-end
+        select i.run_id, i.name, nextval('step_seq'), 'completed', i.output,
+               1 + (select count(*) from step_attempts a
+                    where a.run_id = i.run_id and a.step_name = i.name
+                      and a.generation = (select f.generation from fenced f
+                                          where f.id = i.run_id limit 1)),
+               i.started_at, i.compensable
+        from items i
+        where exists (select from fenced f where f.id = i.run_id)
+        order by i.ord
+        on conflict do nothing
+        returning steps.run_id, steps.name, steps.output, steps.seq
+    )
+    select i.run_id, i.name,
+           not exists (select from fenced f where f.id = i.run_id),
+           case when n.run_id is not null then n.output else s.output end,
+           coalesce(n.seq, s.seq)
+    from items i
+    left join inserted n on n.run_id = i.run_id and n.name = i.name
+    left join steps s on n.run_id is null and s.run_id = i.run_id and s.name = i.name
+                     and exists (select from fenced f where f.id = i.run_id)
+    order by i.ord
 $$;
 
 -- Single-run form of checkpoint_steps for SQL callers: returns the stored output, raises WF001
@@ -451,7 +451,7 @@ begin
         where r.id = i.id and r.lease_epoch = i.epoch and r.status = 'running'
         returning r.id
     )
-    select i.id, i.id not in (select d.id from done d) from items i order by i.ord;
+    select i.id, d.id is null from items i left join done d on d.id = i.id order by i.ord;
 end
 $$;
 
@@ -584,9 +584,8 @@ begin
         return next;
         return;
     end if;
-    update runs r set step_count = r.step_count + 1 where r.id = p_run_id;
     insert into steps (run_id, name, seq, status, error, attempts, started_at)
-    values (p_run_id, p_name, v_run.step_count + 1, 'failed', p_error, v_failures, p_started_at)
+    values (p_run_id, p_name, nextval('step_seq'), 'failed', p_error, v_failures, p_started_at)
     on conflict do nothing;
     decision := begin_compensation(p_run_id, jsonb_build_object('step', p_name) || p_error);
     return next;
