@@ -22,8 +22,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import flowly  # noqa: E402
-from flowly.config import resolve_dsn  # noqa: E402
+import flowly
+from flowly.config import resolve_dsn
 
 
 async def _step(value: int) -> int:

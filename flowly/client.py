@@ -180,7 +180,9 @@ class Client:
                 return run
             if deadline is not None and time.monotonic() >= deadline:
                 raise RunTimeout(f"run {run_id} is still {run.status} after {timeout}s")
-            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            if deadline is not None:
+                delay = min(delay, max(0.0, deadline - time.monotonic()))
+            time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
 
     def cancel(self, run_id: str) -> str:

@@ -13,12 +13,12 @@ import inspect
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from .db import dumps
 from .errors import LeaseLost, StepOutputNotSerializable
 from .retry import Retry
-from .db import dumps
 
 
 class Interrupt(BaseException):
@@ -86,7 +86,7 @@ def error_info(exc: BaseException) -> dict[str, Any]:
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 async def call_user_function(store: RunStore, fn: Callable[..., Any], *args: Any) -> Any:

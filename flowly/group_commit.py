@@ -140,16 +140,21 @@ class GroupCommitter:
                                 [c.payload for c in completions],
                             ),
                         )
-                    checkpoint_rows = await checkpoint_cursor.fetchall() if checkpoint_cursor else []
-                    completion_rows = await completion_cursor.fetchall() if completion_cursor else []
+                    checkpoint_rows = (
+                        await checkpoint_cursor.fetchall() if checkpoint_cursor else [])
+                    completion_rows = (
+                        await completion_cursor.fetchall() if completion_cursor else [])
         # rows come back in input order, one per item
-        for item, (run_id, name, lease_lost, output, seq) in zip(checkpoints, checkpoint_rows):
+        for item, (run_id, name, lease_lost, output, seq) in zip(
+                checkpoints, checkpoint_rows, strict=True):
             _settle(item.done, lease_lost, f"checkpoint of step {name!r}", run_id, (output, seq))
-        for completion, (run_id, lease_lost) in zip(completions, completion_rows):
+        for completion, (run_id, lease_lost) in zip(completions, completion_rows, strict=True):
             _settle(completion.done, lease_lost, "completion", run_id, None)
 
 
-def _settle(done: asyncio.Future[Any], lease_lost: bool, what: str, run_id: str, value: Any) -> None:
+def _settle(
+    done: asyncio.Future[Any], lease_lost: bool, what: str, run_id: str, value: Any
+) -> None:
     if done.done():  # the run's task was cancelled meanwhile
         return
     if lease_lost:

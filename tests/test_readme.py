@@ -78,8 +78,9 @@ def test_readme_commands_run(dsn: str, db: psycopg.Connection[Any]) -> None:
             if argv[:2] == ["flowly", "start"]:
                 run_id = done.stdout.strip()
                 assert run_id
-                wait_for(lambda: db.execute("select status = 'completed' from flowly.runs"
-                                            " where id = %s", (run_id,)).fetchone()[0],
+                wait_for(lambda started=run_id: db.execute(
+                             "select status = 'completed' from flowly.runs where id = %s",
+                             (started,)).fetchone()[0],
                          timeout=30, what="the README's order run to complete")
             if argv[:2] == ["flowly", "show"]:
                 assert "reserve_inventory" in done.stdout and "completed" in done.stdout

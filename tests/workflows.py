@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 from collections import defaultdict
+from datetime import UTC
 from typing import Any
 
 import psycopg
@@ -182,7 +183,7 @@ async def catches_everything(ctx: flowly.Context, inp: dict[str, Any]) -> str:
 @flowly.workflow("alarm")
 async def alarm(ctx: flowly.Context, inp: dict[str, Any]) -> float:
     """Sleeps until an absolute time given as a POSIX timestamp, then reports the time."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    await ctx.sleep_until("alarm", datetime.fromtimestamp(inp["at"], timezone.utc))
+    await ctx.sleep_until("alarm", datetime.fromtimestamp(inp["at"], UTC))
     return float(await ctx.step("rang", lambda: time.time()))

@@ -162,7 +162,8 @@ class Worker:
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._threads = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="flowly-step")
+        self._threads = ThreadPoolExecutor(max_workers=concurrency,
+                                           thread_name_prefix="flowly-step")
         self._pool: AsyncConnectionPool | None = None
         self._committer: GroupCommitter
 
@@ -249,7 +250,8 @@ class Worker:
             held = _Held(run_id, epoch)
             self._held[run_id] = held
             held.task = asyncio.create_task(
-                self._execute(held, self.workflows[workflow], status, input, attempt, steps, timers),
+                self._execute(held, self.workflows[workflow], status, input, attempt, steps,
+                              timers),
                 name=f"flowly-run-{run_id}",
             )
         return len(rows)

@@ -47,7 +47,8 @@ def load_app(spec: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise SystemExit(f"--app {spec}: module {module_name!r} has no attribute {attr!r}") from None
+        raise SystemExit(
+            f"--app {spec}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def worker_from_args(args: argparse.Namespace) -> Worker:
