@@ -85,6 +85,16 @@ def error_info(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__qualname__, "message": str(exc), "traceback": tb[-8000:]}
 
 
+def serialise_output(value: Any, owner: str) -> str:
+    """JSON text of a step's or workflow's output; a clear error naming ``owner`` if it has none."""
+    try:
+        return dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise StepOutputNotSerializable(
+            f"{owner} returned a {type(value).__name__} that is not JSON serialisable: {exc}"
+        ) from exc
+
+
 def now() -> datetime:
     return datetime.now(UTC)
 
@@ -184,13 +194,7 @@ class Context:
         started_at = now()
         try:
             result = await call_user_function(self._store, fn, *args)
-            try:
-                payload = dumps(result)
-            except (TypeError, ValueError) as exc:
-                raise StepOutputNotSerializable(
-                    f"step {name!r} returned a {type(result).__name__} that is not JSON"
-                    f" serialisable: {exc}"
-                ) from exc
+            payload = serialise_output(result, f"step {name!r}")
         except (Interrupt, asyncio.CancelledError):
             raise
         except BaseException as exc:  # a poison step fails its run, never the worker

@@ -36,9 +36,10 @@ from ..context import (
     StoredStep,
     call_user_function,
     error_info,
+    serialise_output,
 )
-from ..db import Calls, dumps, translated_errors
-from ..errors import LeaseLost, StepOutputNotSerializable
+from ..db import Calls, translated_errors
+from ..errors import LeaseLost
 from ..group_commit import GroupCommitter
 from ..retry import Retry
 from ..schema import install_dsn
@@ -354,13 +355,7 @@ class Worker:
             result = await workflow.fn(ctx, input)
             if ctx.compensating:
                 return "compensate"
-            try:
-                payload = dumps(result)
-            except (TypeError, ValueError) as exc:
-                raise StepOutputNotSerializable(
-                    f"workflow {workflow.name!r} returned a {type(result).__name__} that is not"
-                    f" JSON serialisable: {exc}"
-                ) from exc
+            payload = serialise_output(result, f"workflow {workflow.name!r}")
             await self._committer.complete(held.run_id, held.epoch, payload)
             logger.debug("run %s completed", held.run_id)
             return "done"
