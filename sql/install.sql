@@ -12,6 +12,20 @@
 
 begin;
 set local client_min_messages = warning;
+-- the checks `flowly install` makes: Postgres would silently truncate a long name
+select set_config('flowly.install_schema', :'schema', true) as install_schema \gset
+do $$
+declare
+    v_schema text := current_setting('flowly.install_schema');
+begin
+    if v_schema = '' then
+        raise exception 'schema name must not be empty';
+    elsif octet_length(v_schema) > 63 then
+        raise exception 'schema name % is longer than 63 bytes', v_schema;
+    elsif lower(left(v_schema, 3)) = 'pg_' then
+        raise exception 'schema name % is reserved: names starting with pg_ are', v_schema;
+    end if;
+end $$;
 -- the same lock `flowly install` takes, so concurrent installers apply each migration once
 select pg_advisory_xact_lock(7237142851620390001) as install_locked \gset
 create schema if not exists :"schema";

@@ -188,7 +188,8 @@ begin
     for v_try in 1..3 loop
         insert into runs (id, workflow, queue, input, priority, scheduled_for, concurrency_key,
                           max_attempts, timeout, timeout_at, parent_run_id)
-        values (v_id, start.workflow, coalesce(start.queue, 'default'), coalesce(start.input, 'null'),
+        values (v_id, start.workflow, coalesce(start.queue, 'default'),
+                coalesce(start.input, 'null'),
                 coalesce(start.priority, 0), v_due, start.concurrency_key, start.max_attempts,
                 start.timeout, v_due + start.timeout, start.parent_run_id)
         on conflict do nothing;
@@ -523,6 +524,16 @@ begin
 end
 $$;
 
+-- Error JSON as the engine stores it: an object with at least a message; any other JSON a
+-- caller passes becomes that message, so views can read error ->> 'message' uniformly.
+create function as_error(p_error jsonb) returns jsonb
+language sql immutable
+set search_path from current
+as $$
+    select case when jsonb_typeof(p_error) = 'object' then p_error
+                else jsonb_build_object('message', p_error #>> '{}') end
+$$;
+
 -- Starts a saga after a run failed for good: 'compensate' (status compensating, the worker
 -- keeps its lease and runs the compensations) when a completed step has a compensation not yet
 -- run, else 'dead_letter' at once.
@@ -572,7 +583,8 @@ begin
     select count(*) + 1 into v_failures from step_attempts a
     where a.run_id = p_run_id and a.step_name = p_name and a.generation = v_run.generation;
     if p_retryable and v_failures < p_max_attempts then
-        retry_at := v_failed_at + backoff_delay(p_backoff, p_initial_delay, p_max_delay, v_failures);
+        retry_at := v_failed_at
+            + backoff_delay(p_backoff, p_initial_delay, p_max_delay, v_failures);
     end if;
     insert into step_attempts (run_id, step_name, generation, attempt, error, started_at,
                                failed_at, retry_at)
@@ -587,7 +599,8 @@ begin
     insert into steps (run_id, name, seq, status, error, attempts, started_at)
     values (p_run_id, p_name, nextval('step_seq'), 'failed', p_error, v_failures, p_started_at)
     on conflict do nothing;
-    decision := begin_compensation(p_run_id, jsonb_build_object('step', p_name) || p_error);
+    decision := begin_compensation(p_run_id,
+                                   as_error(p_error) || jsonb_build_object('step', p_name));
     return next;
 end
 $$;
@@ -606,11 +619,12 @@ begin
     v_run := lock_held_run(p_run_id, p_epoch, array['running']);
     if v_run.attempt < v_run.max_attempts then
         retry_at := now() + backoff_delay('exponential', 1, 300, v_run.attempt);
-        update runs r set attempt = r.attempt + 1, error = p_error where r.id = p_run_id;
+        update runs r set attempt = r.attempt + 1, error = as_error(p_error)
+        where r.id = p_run_id;
         perform release_held_run(p_run_id, retry_at);
         decision := 'retry';
     else
-        decision := begin_compensation(p_run_id, p_error);
+        decision := begin_compensation(p_run_id, as_error(p_error));
     end if;
     return next;
 end

@@ -24,7 +24,7 @@ select r.workflow, s.name as step, count(*) as completed,
            * 1000 as p95_ms,
        percentile_cont(0.99) within group (order by extract(epoch from s.finished_at - s.started_at))
            * 1000 as p99_ms,
-       max(extract(epoch from s.finished_at - s.started_at)) * 1000 as max_ms
+       max(extract(epoch from s.finished_at - s.started_at))::float8 * 1000 as max_ms
 from steps s
 join runs r on r.id = s.run_id
 where s.status = 'completed'
