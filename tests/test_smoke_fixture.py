@@ -1,2 +1,0 @@
-def test_fixture(db):
-    assert db.execute("select flowly.start('x')").fetchone()[0]
