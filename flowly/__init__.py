@@ -15,6 +15,7 @@ from .errors import (
     RunNotFound,
     RunTimeout,
     SchemaError,
+    SchemaNotInstalled,
     StepOutputNotSerializable,
     UnknownWorkflow,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "RunNotFound",
     "RunTimeout",
     "SchemaError",
+    "SchemaNotInstalled",
     "SleepInterrupt",
     "Step",
     "StepOutputNotSerializable",

@@ -74,6 +74,29 @@ class Step:
         return self.finished_at - self.started_at
 
 
+@dataclass(frozen=True)
+class Timer:
+    """A durable timer of a run, as stored in ``timers``."""
+
+    name: str
+    wake_at: datetime
+    created_at: datetime
+    fired_at: datetime | None
+
+
+@dataclass(frozen=True)
+class StepAttempt:
+    """A failed attempt of a step and the retry the database decided for it."""
+
+    step_name: str
+    generation: int
+    attempt: int
+    error: Any
+    started_at: datetime
+    failed_at: datetime
+    retry_at: datetime | None
+
+
 def _from_row(cls: type[Any], row: dict[str, Any]) -> Any:
     return cls(**{f.name: row[f.name] for f in fields(cls)})
 
@@ -144,8 +167,9 @@ class Client:
     ) -> str:
         """Start a run and return its id (the existing run's id if it already exists).
 
-        ``options``: queue, priority, scheduled_for, concurrency_key, max_attempts, timeout
-        (seconds or timedelta). With ``conn``, the run is created in that connection's current
+        ``options``: queue, priority, scheduled_for (a datetime) or delay (seconds or
+        timedelta, on the database's clock), concurrency_key, max_attempts, timeout (seconds
+        or timedelta). With ``conn``, the run is created in that connection's current
         transaction and is only visible to workers once the caller commits.
         """
         name, defaults = _workflow_name(workflow)
@@ -162,6 +186,19 @@ class Client:
     def steps(self, run_id: str) -> list[Step]:
         """The run's step outcomes in the order they were reached."""
         return [_from_row(Step, row) for row in self._fetch(self.calls.get_steps, (run_id,))]
+
+    def timers(self, run_id: str) -> list[Timer]:
+        """The run's durable timers."""
+        return [_from_row(Timer, row) for row in self._fetch(self.calls.get_timers, (run_id,))]
+
+    def failed_attempts(self, run_id: str) -> list[StepAttempt]:
+        """Every failed step attempt of the run, oldest first."""
+        rows = self._fetch(self.calls.get_step_attempts, (run_id,))
+        return [_from_row(StepAttempt, row) for row in rows]
+
+    def is_served(self, workflow: str, queue: str = "default") -> bool:
+        """Whether a live worker serves ``workflow`` on ``queue`` right now."""
+        return bool(self._fetch(self.calls.is_served, (workflow, queue))[0]["exists"])
 
     def wait(
         self, run_id: str, status: str | Collection[str] | None = None,
@@ -265,6 +302,19 @@ class AsyncClient:
         """See :meth:`Client.steps`."""
         return [_from_row(Step, r) for r in await self._fetch(self.calls.get_steps, (run_id,))]
 
+    async def timers(self, run_id: str) -> list[Timer]:
+        """See :meth:`Client.timers`."""
+        return [_from_row(Timer, r) for r in await self._fetch(self.calls.get_timers, (run_id,))]
+
+    async def failed_attempts(self, run_id: str) -> list[StepAttempt]:
+        """See :meth:`Client.failed_attempts`."""
+        rows = await self._fetch(self.calls.get_step_attempts, (run_id,))
+        return [_from_row(StepAttempt, row) for row in rows]
+
+    async def is_served(self, workflow: str, queue: str = "default") -> bool:
+        """See :meth:`Client.is_served`."""
+        return bool((await self._fetch(self.calls.is_served, (workflow, queue)))[0]["exists"])
+
     async def wait(
         self, run_id: str, status: str | Collection[str] | None = None,
         timeout: float | None = None,
@@ -308,4 +358,4 @@ class AsyncClient:
         return await self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
 
 
-__all__ = ["AsyncClient", "Client", "Run", "Step"]
+__all__ = ["AsyncClient", "Client", "Run", "Step", "StepAttempt", "Timer"]

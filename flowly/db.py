@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import SchemaError, translate
+from .errors import SchemaError, SchemaNotInstalled, translate
 
 DEFAULT_SCHEMA = "flowly"
 NON_TERMINAL = ("pending", "running", "compensating")
@@ -37,7 +37,8 @@ def check_schema_name(schema: str) -> str:
     if len(schema.encode()) > _MAX_IDENTIFIER_BYTES:
         raise SchemaError(f"schema name {schema!r} is longer than 63 bytes")
     if re.match(r"pg_", schema, re.IGNORECASE):
-        raise SchemaError(f"schema name {schema!r} is reserved: names starting with pg_ are")
+        raise SchemaError(
+            f"schema name {schema!r} is reserved: names starting with pg_ belong to PostgreSQL")
     if "\x00" in schema:
         raise SchemaError(f"schema name {schema!r} contains a NUL character")
     return schema
@@ -45,11 +46,12 @@ def check_schema_name(schema: str) -> str:
 
 @contextmanager
 def translated_errors() -> Iterator[None]:
-    """Re-raise flowly SQLSTATEs as named exceptions; a missing schema as SchemaError."""
+    """Re-raise flowly SQLSTATEs as named exceptions; a missing install as SchemaNotInstalled."""
     try:
         yield
-    except psycopg.errors.UndefinedFunction as error:
-        raise SchemaError(
+    except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable,
+            psycopg.errors.InvalidSchemaName) as error:
+        raise SchemaNotInstalled(
             f"flowly is not installed in this database or schema ({error.diag.message_primary});"
             " run `flowly install`"
         ) from error
@@ -78,7 +80,9 @@ class Calls:
         self.start = q(
             "select {s}.start(workflow => %(workflow)s, input => %(input)s::jsonb,"
             " run_id => %(run_id)s, queue => %(queue)s, priority => %(priority)s,"
-            " scheduled_for => %(scheduled_for)s, concurrency_key => %(concurrency_key)s,"
+            " scheduled_for => coalesce(%(scheduled_for)s::timestamptz,"
+            "                           clock_timestamp() + %(delay)s::interval),"
+            " concurrency_key => %(concurrency_key)s,"
             " max_attempts => %(max_attempts)s, timeout => %(timeout)s,"
             " parent_run_id => %(parent_run_id)s)"
         )
@@ -102,7 +106,16 @@ class Calls:
         self.get_status = q("select status from {s}.runs where id = %s")
         self.get_steps = q("select * from {s}.steps where run_id = %s order by seq")
         self.get_step_attempts = q(
-            "select * from {s}.step_attempts where run_id = %s order by failed_at"
+            "select step_name, generation, attempt, error, started_at, failed_at, retry_at"
+            " from {s}.step_attempts where run_id = %s order by failed_at"
+        )
+        self.get_timers = q(
+            "select name, wake_at, created_at, fired_at from {s}.timers"
+            " where run_id = %s order by created_at, name"
+        )
+        self.is_served = q(
+            "select exists (select from {s}.workers w where w.last_seen_at + w.lease > now()"
+            " and %s = any(w.workflows) and %s = any(w.queues))"
         )
         self.list_runs = q(
             "select * from {s}.runs"

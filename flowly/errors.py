@@ -46,6 +46,10 @@ class SchemaError(FlowlyError):
     """The flowly schema is missing, outdated, or its name is unusable."""
 
 
+class SchemaNotInstalled(SchemaError):
+    """The database (or the chosen schema) has no flowly installed; run ``flowly install``."""
+
+
 class RunTimeout(FlowlyError, TimeoutError):
     """A wait for a run ended before the run reached the awaited status."""
 

@@ -45,7 +45,7 @@ class GroupCommitter:
     """Queues fenced writes and flushes them in batches from ``flushers`` concurrent tasks."""
 
     def __init__(
-        self, pool: AsyncConnectionPool, calls: Calls, *, flushers: int = 2, max_batch: int = 1000
+        self, pool: AsyncConnectionPool, calls: Calls, *, flushers: int = 2, max_batch: int = 128
     ) -> None:
         self._pool = pool
         self._calls = calls

@@ -85,11 +85,11 @@ def start_params(
 ) -> dict[str, Any]:
     """Named parameters for ``start``: the options a caller gave over the workflow's defaults."""
     unknown = set(options) - {
-        "queue", "priority", "scheduled_for", "concurrency_key", "max_attempts", "timeout"
+        "queue", "priority", "scheduled_for", "delay", "concurrency_key", "max_attempts",
+        "timeout",
     }
     if unknown:
         raise TypeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
-    timeout = options.get("timeout")
     try:
         payload = dumps(input)
     except (TypeError, ValueError) as exc:
@@ -99,11 +99,22 @@ def start_params(
         "workflow": workflow,
         "input": payload,
         "run_id": run_id,
-        "queue": options.get("queue") or (defaults.queue if defaults else "default"),
-        "priority": options.get("priority") or 0,
+        "queue": _option(options, "queue", defaults.queue if defaults else "default"),
+        "priority": _option(options, "priority", 0),
         "scheduled_for": options.get("scheduled_for"),
+        "delay": _interval(options.get("delay")),
         "concurrency_key": options.get("concurrency_key"),
-        "max_attempts": options.get("max_attempts") or (defaults.max_attempts if defaults else 3),
-        "timeout": timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout,
+        "max_attempts": _option(options, "max_attempts", defaults.max_attempts if defaults else 3),
+        "timeout": _interval(options.get("timeout")),
         "parent_run_id": None,
     }
+
+
+def _option(options: dict[str, Any], name: str, default: Any) -> Any:
+    """The caller's value when given (even a falsy one, which SQL then validates)."""
+    value = options.get(name)
+    return default if value is None else value
+
+
+def _interval(value: float | timedelta | None) -> timedelta | None:
+    return timedelta(seconds=value) if isinstance(value, (int, float)) else value

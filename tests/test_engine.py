@@ -223,7 +223,7 @@ def test_bad_input_is_named(client: flowly.Client) -> None:
     with pytest.raises(flowly.InvalidArgument, match="not JSON serialisable"):
         client.start("quick", object())
     with pytest.raises(flowly.InvalidArgument, match="max_attempts"):
-        client.start("quick", 1, max_attempts=-1)
+        client.start("quick", 1, max_attempts=0)
     with pytest.raises(flowly.RunNotFound):
         client.get("missing")
     with pytest.raises(ValueError, match="backoff"):

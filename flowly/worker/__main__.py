@@ -41,14 +41,17 @@ def load_app(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"error: --app {spec}: cannot import {module_name!r}: {exc}") from None
     if not attr:
         return None
     try:
         return getattr(module, attr)
     except AttributeError:
         raise SystemExit(
-            f"--app {spec}: module {module_name!r} has no attribute {attr!r}") from None
+            f"error: --app {spec}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def worker_from_args(args: argparse.Namespace) -> Worker:

