@@ -236,13 +236,15 @@ begin
 end
 $$;
 
--- Records that a worker is alive and what it serves.
+-- Records that a worker is alive and what it serves, and forgets workers that died without
+-- unregistering (silent for a hundred leases), so the table does not grow with every crash.
 create function register_worker(
     p_worker text, p_workflows text[], p_queues text[], p_lease interval
 ) returns void
 language sql
 set search_path from current
 as $$
+    delete from workers w where w.last_seen_at + 100 * w.lease < now();
     insert into workers (id, workflows, queues, lease)
     values (p_worker, p_workflows, p_queues, p_lease)
     on conflict (id) do update
