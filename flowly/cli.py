@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import json
 import logging
+import os
 import re
 import sys
 import warnings
@@ -38,6 +40,7 @@ from .errors import (
     SchemaNotInstalled,
     UnknownWorkflow,
 )
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -306,18 +309,65 @@ def cmd_install(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    """``worker``: the same process ``python -m flowly.worker`` runs."""
-    from .worker.__main__ import worker_from_args
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's options, shared with ``flowly worker``."""
+    parser.add_argument("--app", required=True, metavar="MODULE[:ATTR]",
+                        help="module that registers the workflows (imported from the cwd)")
+    parser.add_argument("--queue", action="append", dest="queues", metavar="NAME",
+                        help="queue to serve (repeatable; default: default)")
+    parser.add_argument("--concurrency", type=int, default=32, help="runs in flight (32)")
+    parser.add_argument("--lease", type=float, default=30.0, help="lease seconds (30)")
+    parser.add_argument("--poll-interval", type=float, default=0.5,
+                        help="seconds between polls when no NOTIFY arrives (0.5)")
+    parser.add_argument("--drain-timeout", type=float, default=10.0,
+                        help="seconds in-flight runs get to finish on SIGTERM (10)")
+    parser.add_argument("--max-connections", type=int, default=4,
+                        help="database connections besides the listener (4)")
 
+
+def load_app(spec: str) -> Any:
+    """Import ``module[:attr]`` and return ``attr`` (None when not given)."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(f"--app {spec}: cannot import {module_name!r}: {exc}", EXIT_USAGE) from None
+    if not attr:
+        return None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise CliError(f"--app {spec}: module {module_name!r} has no attribute {attr!r}",
+                       EXIT_USAGE) from None
+
+
+def worker_from_args(args: argparse.Namespace) -> Worker:
+    """Build the worker the parsed command line describes."""
+    target = load_app(args.app)
+    if isinstance(target, Worker):
+        return target
+    workflows = None if target is None else (target if isinstance(target, list) else [target])
+    return Worker(
+        args.dsn,
+        workflows,
+        schema=args.schema,
+        queues=args.queues or ["default"],
+        concurrency=args.concurrency,
+        lease=args.lease,
+        poll_interval=args.poll_interval,
+        drain_timeout=args.drain_timeout,
+        max_connections=args.max_connections,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """``worker``: run a worker until SIGTERM/SIGINT (also ``python -m flowly.worker``)."""
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         worker = worker_from_args(args)
-    except SystemExit as exc:  # load_app's message for a missing attribute
-        raise CliError(str(exc.code), EXIT_USAGE) from None
-    except ImportError as exc:
-        raise CliError(f"--app {args.app}: cannot import it: {exc}", EXIT_USAGE) from exc
     except (ValueError, UnknownWorkflow) as exc:
         raise CliError(f"--app {args.app}: {exc}", EXIT_USAGE) from exc
     asyncio.run(worker.run())
@@ -521,8 +571,6 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flowly`` argument parser with every sub-command."""
-    from .worker.__main__ import add_worker_arguments
-
     parser = argparse.ArgumentParser(
         prog="flowly", description="Durable workflows in PostgreSQL: install, run, inspect.")
     _add_global_options(parser, suppress=False)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+import psycopg
+
 from .db import dumps
 from .errors import LeaseLost, StepOutputNotSerializable
 from .retry import Retry
@@ -43,6 +45,14 @@ class CompensateInterrupt(Interrupt):
 
 class LeaseLostInterrupt(Interrupt):
     """This worker no longer holds the run; nothing more may be written for it."""
+
+
+class RunAbandoned(Interrupt):
+    """A write for the run failed in the database (connection lost, server restart...).
+
+    Whether it committed is unknown, so the worker gives the run up: its lease expires and
+    any worker resumes it from the last checkpoint. User code cannot catch this by mistake.
+    """
 
 
 @dataclass
@@ -255,10 +265,12 @@ class Context:
         count = self._child_counts.get(workflow, 0) + 1
         self._child_counts[workflow] = count
         child_id = run_id or f"{self.run_id}:{workflow}:{count}"
-        return await self._store.start_run(workflow, input, child_id, options)
+        return str(await self._fenced(self._store.start_run(workflow, input, child_id, options)))
 
     async def _fenced(self, write: Awaitable[Any]) -> Any:
         try:
             return await write
         except LeaseLost as exc:
             raise LeaseLostInterrupt(str(exc)) from None
+        except (psycopg.Error, OSError) as exc:
+            raise RunAbandoned(f"run {self.run_id}: {exc}") from exc

@@ -328,3 +328,25 @@ def test_retry_dead_letter_respects_the_concurrency_key(dsn: str, client: flowly
         client.retry_dead_letter(failed)
     client.cancel(live)
     assert client.retry_dead_letter(failed) == failed
+
+
+def test_a_failed_engine_write_abandons_the_run_until_its_lease_expires(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker's pool connections are killed mid-step: the checkpoint fails, the run is
+    abandoned (not failed, not swallowed by user code) and resumed after lease expiry."""
+    run_id = client.start("three_steps", {"step_seconds": 0.5})
+    # idle between writes: no poll or heartbeat touches the pool while step b runs
+    with running_worker(dsn, lease=3, poll_interval=5):
+        wait_for(lambda: [s.name for s in client.steps(run_id)] == ["a"], what="a checkpointed")
+        db.execute("select pg_terminate_backend(pid) from pg_stat_activity"
+                   " where datname = current_database() and pid <> pg_backend_pid()"
+                   " and pid <> %s and query not ilike 'listen %%'",
+                   (client.connection.info.backend_pid,))
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.attempt == 1
+    assert "abandoned until its lease expires" in caplog.text
+    ran = [step for (step,) in db.execute(
+        "select step from public.test_effects where run_id = %s order by at", (run_id,))]
+    assert ran.count("a") == 1 and ran.count("b") == 2 and ran.count("c") == 1

@@ -33,6 +33,7 @@ from ..context import (
     Context,
     Interrupt,
     LeaseLostInterrupt,
+    RunAbandoned,
     StoredStep,
     call_user_function,
     error_info,
@@ -289,7 +290,7 @@ class Worker:
                     (self.worker_id, [h.run_id for h in held], [h.epoch for h in held],
                      timedelta(seconds=self.lease)),
                 )
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:  # keep beating: the next one may get through
                 logger.warning("heartbeat failed: %s", exc)
                 continue
             for (run_id,) in rows:
@@ -341,6 +342,9 @@ class Worker:
                 await self._compensate(held, ctx)
         except (LeaseLost, LeaseLostInterrupt) as exc:
             logger.warning("run %s dropped: %s", held.run_id, exc)
+        except RunAbandoned as exc:
+            logger.warning("run %s abandoned until its lease expires: %s", held.run_id,
+                           exc.__cause__)
         except asyncio.CancelledError:
             logger.info("run %s cancelled in this worker", held.run_id)
         except Exception:  # the database went away mid-run: the lease expires, another takes it
@@ -350,25 +354,22 @@ class Worker:
             self._wakeup.set()
 
     async def _run_body(self, held: _Held, workflow: Workflow, ctx: Context, input: Any) -> str:
-        """Run the workflow body; returns 'compensate' when the saga must run, else 'done'."""
+        """Run the workflow body; returns 'compensate' when the saga must run, else 'done'.
+
+        Only failures of the body itself (or an output that is not JSON) go to ``fail_run``;
+        a failed engine write propagates to :meth:`_execute`.
+        """
         try:
             result = await workflow.fn(ctx, input)
             if ctx.compensating:
                 return "compensate"
             payload = serialise_output(result, f"workflow {workflow.name!r}")
-            await self._committer.complete(held.run_id, held.epoch, payload)
-            logger.debug("run %s completed", held.run_id)
-            return "done"
         except CompensateInterrupt as interrupt:
             return interrupt.decision
-        except LeaseLostInterrupt:
+        except (LeaseLostInterrupt, RunAbandoned, asyncio.CancelledError):
             raise
         except Interrupt:
             return "done"
-        except asyncio.CancelledError:
-            raise
-        except LeaseLost:
-            raise
         except BaseException as exc:  # the body itself failed: the database decides what next
             if ctx.compensating:
                 return "compensate"
@@ -378,6 +379,8 @@ class Worker:
                 (held.run_id, held.epoch, Jsonb(error_info(exc))),
             )
             return str(row[0])
+        await self._committer.complete(held.run_id, held.epoch, payload)
+        return "done"
 
     async def _compensate(self, held: _Held, ctx: Context) -> None:
         """Run the compensations of completed steps, newest first, storing each outcome."""
