@@ -233,8 +233,7 @@ class _Demo:
         if killed_mid_step:
             self.say("    charge_payment was in flight on worker A when it was killed, so worker B"
                      " ran it from the start: ordinary steps are at-least-once. Its idempotency key"
-                     f" ({ok_id}:charge_payment) lets a payment API drop the duplicate;"
-                     " ctx.transaction steps are exactly-once.")
+                     f" ({ok_id}:charge_payment) lets a payment API drop the duplicate.")
 
         bad_id = self.client.start(
             "order", {"sku": "lamp", "qty": 2, "card": "0000", "cooling_seconds": 0},

@@ -226,6 +226,7 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         while not self._stopping.is_set():
+            self._wakeup.clear()  # before claiming: a NOTIFY during the claim is not lost
             free = self.concurrency - len(self._held)
             claimed = 0
             if free > 0:
@@ -236,7 +237,6 @@ class Worker:
             if claimed and claimed == free:
                 await asyncio.sleep(0)  # let finished runs free their slots, then claim again
                 continue
-            self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), self.poll_interval)
             except TimeoutError:
