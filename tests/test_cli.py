@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
+
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE = "postgresql://root@127.0.0.1:1/x"
@@ -57,17 +59,6 @@ def one_error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: "), result.stderr
     return lines[0]
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30, what: str = "it") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def status_of(db: psycopg.Connection[Any], run_id: str) -> str | None:
