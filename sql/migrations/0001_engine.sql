@@ -332,7 +332,7 @@ begin
     ), extended as (
         update runs r set locked_until = now() + p_lease
         from held h
-        where r.id = h.id and r.lease_epoch = h.epoch
+        where r.id = any(p_run_ids) and r.id = h.id and r.lease_epoch = h.epoch
           and r.status in ('running', 'compensating')
         returning r.id
     )
@@ -383,32 +383,34 @@ as $$
         from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
             with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
     ), fenced as (
-        select r.id, r.generation from runs r
-        join items i on i.run_id = r.id and i.epoch = r.lease_epoch
-        where r.status in ('running', 'compensating')
+        select r.id, r.lease_epoch, r.generation from runs r
+        where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
         for share of r
+    ), valid as (
+        select i.*, f.generation from items i
+        join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
     ), inserted as (
         insert into steps (run_id, name, seq, status, output, attempts, started_at, compensable)
-        select i.run_id, i.name, nextval('step_seq'), 'completed', i.output,
+        select v.run_id, v.name, nextval('step_seq'), 'completed', v.output,
                1 + (select count(*) from step_attempts a
-                    where a.run_id = i.run_id and a.step_name = i.name
-                      and a.generation = (select f.generation from fenced f
-                                          where f.id = i.run_id limit 1)),
-               i.started_at, i.compensable
-        from items i
-        where exists (select from fenced f where f.id = i.run_id)
-        order by i.ord
+                    where a.run_id = v.run_id and a.step_name = v.name
+                      and a.generation = v.generation),
+               v.started_at, v.compensable
+        from valid v
+        order by v.ord
         on conflict do nothing
         returning steps.run_id, steps.name, steps.output, steps.seq
     )
-    select i.run_id, i.name,
-           not exists (select from fenced f where f.id = i.run_id),
-           case when n.run_id is not null then n.output else s.output end,
-           coalesce(n.seq, s.seq)
+    select i.run_id, i.name, v.ord is null,
+           case when n.run_id is not null then n.output else stored.output end,
+           coalesce(n.seq, stored.seq)
     from items i
+    left join valid v on v.ord = i.ord
     left join inserted n on n.run_id = i.run_id and n.name = i.name
-    left join steps s on n.run_id is null and s.run_id = i.run_id and s.name = i.name
-                     and exists (select from fenced f where f.id = i.run_id)
+    left join lateral (
+        select s.output, s.seq from steps s
+        where v.ord is not null and n.run_id is null and s.run_id = i.run_id and s.name = i.name
+    ) stored on true
     order by i.ord
 $$;
 
@@ -451,7 +453,8 @@ begin
         set status = 'completed', output = i.output, error = null, finished_at = now(),
             locked_by = null, locked_until = null
         from items i
-        where r.id = i.id and r.lease_epoch = i.epoch and r.status = 'running'
+        where r.id = any(p_run_ids) and r.id = i.id and r.lease_epoch = i.epoch
+          and r.status = 'running'
         returning r.id
     )
     select i.id, d.id is null from items i left join done d on d.id = i.id order by i.ord;
