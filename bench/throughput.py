@@ -39,19 +39,22 @@ async def three_steps(ctx: flowly.Context, inp: Any) -> int:
 
 
 async def measure(dsn: str, runs: int, concurrency: int) -> float:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("delete from flowly.runs where workflow = 'bench.three_steps'")
-        conn.execute("select flowly.start('bench.three_steps') from generate_series(1, %s)",
-                     (runs,))
+    # an async connection, so watching for the end never blocks the worker's event loop
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute("delete from flowly.runs where workflow = 'bench.three_steps'")
+        await conn.execute(
+            "select flowly.start('bench.three_steps') from generate_series(1, %s)", (runs,))
         worker = flowly.Worker(dsn, ["bench.three_steps"], concurrency=concurrency,
                                poll_interval=0.05)
         started = time.perf_counter()
         task = asyncio.create_task(worker.run())
         while True:
             await asyncio.sleep(0.05)
-            left = conn.execute("select count(*) from flowly.runs where workflow ="
-                                " 'bench.three_steps' and status <> 'completed'").fetchone()
-            if left is not None and left[0] == 0:
+            cursor = await conn.execute(
+                "select exists (select from flowly.runs where workflow = 'bench.three_steps'"
+                " and status <> 'completed')")
+            row = await cursor.fetchone()
+            if row is not None and not row[0]:
                 break
         elapsed = time.perf_counter() - started
         worker.stop()
