@@ -12,7 +12,8 @@
 -- SQLSTATEs: WF001 lease lost, WF002 run not found, WF003 invalid argument, WF004 invalid state.
 --
 -- Lock order: functions that touch a run and its steps/timers lock the runs row first (the
--- fence check is an update or select ... for update on runs), then write the child rows.
+-- fence check is an update, or a select ... for update / for share, on runs), then write the
+-- child rows; batch forms lock their runs rows in one statement before any child row.
 
 create table runs (
     id text primary key,
