@@ -35,9 +35,9 @@ from typing import TextIO, TypeVar
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .cli import RunDetail, format_time, load_run, quote_ident, quote_literal, render_run
 from .client import Client, Step
 from .db import DEFAULT_SCHEMA
+from .render import RunDetail, format_time, load_run, quote_ident, quote_literal, render_run
 from .schema import install_dsn, migrations
 
 DEMO_QUEUE = "flowly-demo"
