@@ -27,7 +27,8 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 bench: $(BIN)/.installed
-	$(BIN)/python bench/throughput.py $(BENCH_ARGS)
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/latency.py
 
 clean:
 	rm -rf $(VENV) .flowly .pytest_cache .mypy_cache .ruff_cache
