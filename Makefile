@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-embedded lint bench clean
+.PHONY: demo test test-embedded lint bench bench-peers clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ lint: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/latency.py
+
+$(BIN)/.peers: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[test,peers]'
+	touch $@
+
+# flowly and DBOS Transact side by side on the same database server
+bench-peers: $(BIN)/.peers
+	$(BIN)/python bench/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .flowly .pytest_cache .mypy_cache .ruff_cache
