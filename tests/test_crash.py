@@ -141,3 +141,20 @@ def test_graceful_shutdown_releases_leases_at_once(
     assert "released 1 unfinished run" in log
     assert new_holder != holder
     assert takeover < 1.0, f"took {takeover:.2f}s, a lease expiry would take 30s"
+
+
+def test_a_step_that_kills_every_worker_ends_as_poison_not_a_crash_loop(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("kills_its_worker", None)
+    limit = scalar(db, "select flowly.max_takeovers()")
+    for _ in range(limit + 1):  # the first claim and `limit` takeovers each kill a worker
+        with worker_process(dsn, "--lease", "0.3") as worker:
+            assert worker.proc.wait(30) == 3
+    assert client.get(run_id).status == "running"  # held by the last dead worker
+    with worker_process(dsn, "--lease", "0.3") as survivor:
+        run = client.wait(run_id, timeout=20)
+        assert client.wait(client.start("quick", 1), timeout=20).status == "completed"
+        assert survivor.proc.poll() is None  # the next worker is not handed the poison
+    assert run.status == "dead_letter"
+    assert run.error["type"] == "PoisonRun" and run.attempt == 1

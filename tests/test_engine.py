@@ -350,3 +350,24 @@ def test_a_failed_engine_write_abandons_the_run_until_its_lease_expires(
     ran = [step for (step,) in db.execute(
         "select step from public.test_effects where run_id = %s order by at", (run_id,))]
     assert ran.count("a") == 1 and ran.count("b") == 2 and ran.count("c") == 1
+
+
+def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
+    db: psycopg.Connection[Any],
+) -> None:
+    """Ten takeovers after lease expiry are allowed (a crash does not burn an attempt); the
+    next expiry dead-letters the run instead of handing it to an eleventh worker to crash."""
+    db.execute("select flowly.start('quick', run_id => 'poison')")
+    limit = scalar(db, "select flowly.max_takeovers()")
+    claim = ("select count(*) from flowly.claim('w', array['quick'], array['default'], 1,"
+             " '1 millisecond')")
+    for _ in range(limit + 1):  # the first claim and `limit` takeovers
+        time.sleep(0.005)
+        assert scalar(db, claim) == 1
+    assert scalar(db, "select (takeovers, attempt) = (%s, 1) from flowly.runs", limit)
+    time.sleep(0.005)
+    assert scalar(db, claim) == 0
+    status, error = db.execute("select status, error from flowly.runs").fetchone()
+    assert status == "dead_letter" and error["type"] == "PoisonRun"
+    db.execute("select flowly.retry_dead_letter('poison')")
+    assert scalar(db, "select takeovers from flowly.runs") == 0

@@ -187,3 +187,9 @@ async def alarm(ctx: flowly.Context, inp: dict[str, Any]) -> float:
 
     await ctx.sleep_until("alarm", datetime.fromtimestamp(inp["at"], UTC))
     return float(await ctx.step("rang", lambda: time.time()))
+
+
+@flowly.workflow("kills_its_worker")
+async def kills_its_worker(ctx: flowly.Context, inp: Any) -> None:
+    """A step that ends the worker process itself, as a segfault or the OOM killer would."""
+    await ctx.step("die", lambda: os._exit(3))

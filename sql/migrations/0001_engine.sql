@@ -33,6 +33,8 @@ create table runs (
     parent_run_id text,
     generation integer not null default 1,
     lease_epoch bigint not null default 0,
+    -- claims of this run under an expired lease: its worker died (or froze) holding it
+    takeovers integer not null default 0,
     locked_by text,
     locked_until timestamptz,
     -- when the run may next be claimed: its due time while unheld, its lease expiry while held
@@ -54,6 +56,8 @@ create index runs_claimable on runs (priority desc, available_at)
 -- One live run per concurrency key; a new one is admitted once the last one finished.
 create unique index runs_concurrency_key on runs (concurrency_key)
     where concurrency_key is not null and status in ('pending', 'running', 'compensating');
+-- Held runs only (a handful per worker): finds expired leases without touching the backlog.
+create index runs_leased on runs (locked_until) where locked_until is not null;
 create index runs_timeout on runs (timeout_at)
     where timeout_at is not null and status in ('pending', 'running', 'compensating');
 create index runs_workflow_status on runs (workflow, status);
@@ -239,6 +243,43 @@ begin
 end
 $$;
 
+-- How many times a run may be taken over from a worker that died holding it before it is
+-- treated as poison: a step that kills its process (segfault, OOM, os._exit) would otherwise
+-- take down every worker of the fleet in turn, forever.
+create function max_takeovers() returns integer
+language plpgsql immutable
+set search_path from current
+as $$
+begin
+    return 10;
+end
+$$;
+
+-- Dead-letters the runs whose lease expired yet again after max_takeovers() takeovers, instead
+-- of handing them to the next worker to crash. Called by claim.
+create function dead_letter_poison_runs() returns void
+language plpgsql
+set search_path from current
+as $$
+begin
+    update runs r
+    set status = 'dead_letter',
+        error = jsonb_build_object(
+            'type', 'PoisonRun',
+            'message', format('the lease of this run expired %s times while a worker held it:'
+                              ' its workers keep dying on it', r.takeovers + 1)),
+        finished_at = now(),
+        lease_epoch = r.lease_epoch + 1,
+        locked_by = null,
+        locked_until = null
+    from (select t.id from runs t
+          where t.locked_until < now() and t.takeovers >= max_takeovers()
+            and t.status in ('running', 'compensating')
+          for update skip locked) poison
+    where r.id = poison.id;
+end
+$$;
+
 -- Records that a worker is alive and what it serves, and forgets workers that died without
 -- unregistering (silent for a hundred leases), so the table does not grow with every crash.
 create function register_worker(
@@ -279,6 +320,7 @@ set search_path from current
 as $$
 begin
     perform time_out_runs();
+    perform dead_letter_poison_runs();
     return query
     with due as (
         select r.id from runs r
@@ -293,6 +335,7 @@ begin
         update runs r
         set status = case r.status when 'pending' then 'running' else r.status end,
             lease_epoch = r.lease_epoch + 1,
+            takeovers = r.takeovers + (r.locked_until is not null)::integer,
             locked_by = p_worker,
             locked_until = now() + p_lease,
             started_at = coalesce(r.started_at, now())
@@ -756,7 +799,7 @@ begin
     update runs r
     set status = 'pending', attempt = 1, error = null, output = null, compensation_ok = null,
         finished_at = null, scheduled_for = now(), timeout_at = now() + r.timeout,
-        generation = r.generation + 1, lease_epoch = r.lease_epoch + 1,
+        generation = r.generation + 1, lease_epoch = r.lease_epoch + 1, takeovers = 0,
         locked_by = null, locked_until = null
     where r.id = v_run.id;
     perform pg_notify(wakeup_channel(), v_run.queue);
