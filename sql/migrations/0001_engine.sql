@@ -220,29 +220,6 @@ begin
 end
 $$;
 
--- Moves every unfinished run whose overall timeout has passed to dead_letter, held or not
--- (the epoch bump fences a worker still running it; it learns at its next heartbeat or write).
--- Called by claim and heartbeat, so timeouts need no sweeper process.
-create function time_out_runs() returns void
-language plpgsql
-set search_path from current
-as $$
-begin
-    update runs r
-    set status = 'dead_letter',
-        error = jsonb_build_object('type', 'Timeout',
-                                   'message', format('run exceeded its timeout of %s', r.timeout)),
-        finished_at = now(),
-        lease_epoch = r.lease_epoch + 1,
-        locked_by = null,
-        locked_until = null
-    from (select t.id from runs t
-          where t.timeout_at < now() and t.status in ('pending', 'running', 'compensating')
-          for update skip locked) expired
-    where r.id = expired.id;
-end
-$$;
-
 -- How many times a run may be taken over from a worker that died holding it before it is
 -- treated as poison: a step that kills its process (segfault, OOM, os._exit) would otherwise
 -- take down every worker of the fleet in turn, forever.
@@ -255,28 +232,36 @@ begin
 end
 $$;
 
--- Dead-letters the runs whose lease expired yet again after max_takeovers() takeovers, instead
--- of handing them to the next worker to crash. Called by claim.
-create function dead_letter_poison_runs() returns void
+-- Moves to dead_letter the unfinished runs that must not go on, held or not (the epoch bump
+-- fences a worker still running one; it learns at its next heartbeat or write): runs past
+-- their overall timeout, and poison runs, whose lease expired again after max_takeovers()
+-- takeovers. Called by claim and heartbeat, so neither needs a sweeper process.
+create function dead_letter_stalled_runs() returns void
 language plpgsql
 set search_path from current
 as $$
 begin
     update runs r
     set status = 'dead_letter',
-        error = jsonb_build_object(
-            'type', 'PoisonRun',
-            'message', format('the lease of this run expired %s times while a worker held it:'
-                              ' its workers keep dying on it', r.takeovers + 1)),
+        error = case
+            when r.timeout_at < now() then jsonb_build_object(
+                'type', 'Timeout',
+                'message', format('run exceeded its timeout of %s', r.timeout))
+            else jsonb_build_object(
+                'type', 'PoisonRun',
+                'message', format('the lease of this run expired %s times while a worker held'
+                                  ' it: its workers keep dying on it', r.takeovers + 1))
+        end,
         finished_at = now(),
         lease_epoch = r.lease_epoch + 1,
         locked_by = null,
         locked_until = null
     from (select t.id from runs t
-          where t.locked_until < now() and t.takeovers >= max_takeovers()
-            and t.status in ('running', 'compensating')
-          for update skip locked) poison
-    where r.id = poison.id;
+          where t.status in ('pending', 'running', 'compensating')
+            and (t.timeout_at < now()
+                 or (t.locked_until < now() and t.takeovers >= max_takeovers()))
+          for update skip locked) stalled
+    where r.id = stalled.id;
 end
 $$;
 
@@ -319,8 +304,7 @@ language plpgsql
 set search_path from current
 as $$
 begin
-    perform time_out_runs();
-    perform dead_letter_poison_runs();
+    perform dead_letter_stalled_runs();
     return query
     with due as (
         select r.id from runs r
@@ -371,7 +355,7 @@ set search_path from current
 as $$
 begin
     update workers set last_seen_at = now() where id = p_worker;
-    perform time_out_runs();
+    perform dead_letter_stalled_runs();
     return query
     with held as (
         select h.id, h.epoch from unnest(p_run_ids, p_epochs) as h (id, epoch)
