@@ -30,13 +30,17 @@ def step_rows(db: psycopg.Connection[Any], run_id: str) -> dict[str, tuple[Any, 
     return {name: (output, finished) for name, output, finished in rows}
 
 
+def wait_until_step_b_runs(db: psycopg.Connection[Any], run_id: str) -> None:
+    """Step a is checkpointed and step b is executing (it records its effect first)."""
+    wait_for(lambda: [s for s, _ in effects(db, run_id)] == ["a", "b"], what="b started")
+
+
 def test_sigkill_mid_workflow_resumes_at_last_checkpoint(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
     run_id = client.start("three_steps", {"step_seconds": 1.0})
     with worker_process(dsn, "--lease", "2") as first:
-        # step a checkpointed and step b under way: kill in the middle of b
-        wait_for(lambda: [s for s, _ in effects(db, run_id)] == ["a", "b"], what="b started")
+        wait_until_step_b_runs(db, run_id)  # and kill it in the middle of b
         assert "a" in step_rows(db, run_id) and "b" not in step_rows(db, run_id)
         first.signal(signal.SIGKILL)
         first.proc.wait(10)
@@ -60,7 +64,7 @@ def test_paused_worker_is_fenced_off_after_takeover(
 ) -> None:
     run_id = client.start("three_steps", {"step_seconds": 1.0})
     with worker_process(dsn, "--lease", "1.5") as paused:
-        wait_for(lambda: [s for s, _ in effects(db, run_id)] == ["a", "b"], what="b started")
+        wait_until_step_b_runs(db, run_id)
         paused.signal(signal.SIGSTOP)
         time.sleep(2.0)  # its lease expires while it is frozen mid-step
         with worker_process(dsn) as successor:
