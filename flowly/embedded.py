@@ -13,12 +13,31 @@ import fcntl
 import logging
 import os
 import pathlib
+import tempfile
 import urllib.parse
 import warnings
 from collections.abc import Iterator
 
+import platformdirs
 import psutil  # type: ignore[import-untyped]
 
+
+def _private_runtime_dir() -> None:
+    """Give pgserver a lock directory of this user's own when the system has none.
+
+    pgserver serialises its work with a lock file in the user's runtime directory, or in the
+    shared temporary directory when that does not exist; a ``/tmp/.lockfile`` another user
+    created first (root, say) would then lock every other user out. Must run before
+    pgserver is imported, which is when it picks the directory.
+    """
+    if platformdirs.user_runtime_path("python_PostgresServer").exists():
+        return
+    private = pathlib.Path(tempfile.gettempdir()) / f"flowly-runtime-{os.getuid()}"
+    (private / "python_PostgresServer").mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["XDG_RUNTIME_DIR"] = str(private)
+
+
+_private_runtime_dir()
 # pgserver's import makes platformdirs warn when XDG_RUNTIME_DIR is unset; harmless.
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
