@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import pathlib
-import tempfile
 import urllib.parse
 import warnings
 from collections.abc import Iterator
@@ -23,18 +22,16 @@ import psutil  # type: ignore[import-untyped]
 
 
 def _private_runtime_dir() -> None:
-    """Give pgserver a lock directory of this user's own when the system has none.
+    """Make sure pgserver finds a lock directory of this user's own.
 
     pgserver serialises its work with a lock file in the user's runtime directory, or in the
-    shared temporary directory when that does not exist; a ``/tmp/.lockfile`` another user
-    created first (root, say) would then lock every other user out. Must run before
-    pgserver is imported, which is when it picks the directory.
+    shared temporary directory when that does not exist yet; a ``/tmp/.lockfile`` another user
+    created first (root, say) would then lock every other user out. Creating the runtime
+    directory (platformdirs makes it private, falling back to ``/tmp/runtime-<uid>``) avoids
+    that. Must run before pgserver is imported, which is when it picks the directory.
     """
-    if platformdirs.user_runtime_path("python_PostgresServer").exists():
-        return
-    private = pathlib.Path(tempfile.gettempdir()) / f"flowly-runtime-{os.getuid()}"
-    (private / "python_PostgresServer").mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.environ["XDG_RUNTIME_DIR"] = str(private)
+    with contextlib.suppress(OSError):  # no safe place: pgserver's own fallback it is
+        platformdirs.user_runtime_path("python_PostgresServer", ensure_exists=True)
 
 
 # platformdirs warns when XDG_RUNTIME_DIR is unset; harmless here.
