@@ -103,7 +103,6 @@ class Calls:
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")
         self.get_run = q("select * from {s}.runs where id = %s")
-        self.get_status = q("select status from {s}.runs where id = %s")
         self.get_steps = q("select * from {s}.steps where run_id = %s order by seq")
         self.get_step_attempts = q(
             "select step_name, generation, attempt, error, started_at, failed_at, retry_at"

@@ -140,17 +140,3 @@ def embedded_dsn(data_dir: pathlib.Path | None = None, *, version: str | None = 
             server.start()
             info = server.get_postmaster_info()
     return _dsn(info)
-
-
-def embedded_server_info(data_dir: pathlib.Path | None = None) -> dict[str, str]:
-    """Describe the embedded server without starting it (e.g. for a CLI status)."""
-    pgdata = resolve_data_dir(data_dir)
-    result = {"data_dir": str(pgdata), "version": "", "running": "false"}
-    if not pgdata.is_dir():
-        return result
-    with _locked(pgdata):  # no half-initialised cluster or half-written pid file
-        result["version"] = str(pgdata_version(pgdata) or "")
-        info = _running_info(pgdata)
-    if info is not None:
-        result.update(running="true", pid=str(info.pid), dsn=_dsn(info))
-    return result

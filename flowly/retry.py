@@ -50,5 +50,3 @@ class Retry:
     def max_delay_seconds(self) -> float:
         return _seconds(self.max_delay)
 
-
-NO_RETRY = Retry(max_attempts=1)
