@@ -336,14 +336,16 @@ def test_a_failed_engine_write_abandons_the_run_until_its_lease_expires(
 ) -> None:
     """The worker's pool connections are killed mid-step: the checkpoint fails, the run is
     abandoned (not failed, not swallowed by user code) and resumed after lease expiry."""
-    run_id = client.start("three_steps", {"step_seconds": 0.5})
-    # idle between writes: no poll or heartbeat touches the pool while step b runs
+    run_id = client.start("gated")
     with running_worker(dsn, lease=3, poll_interval=5):
-        wait_for(lambda: [s.name for s in client.steps(run_id)] == ["a"], what="a checkpointed")
+        # b has started and cannot finish before its connections are gone
+        wait_for(lambda: scalar(db, "select count(*) from public.test_effects where step = 'b'"),
+                 what="b started")
         db.execute("select pg_terminate_backend(pid) from pg_stat_activity"
                    " where datname = current_database() and pid <> pg_backend_pid()"
                    " and pid <> %s and query not ilike 'listen %%'",
                    (client.connection.info.backend_pid,))
+        workflows.GATES[run_id].set()
         run = client.wait(run_id, timeout=30)
     assert run.status == "completed" and run.attempt == 1
     assert "abandoned until its lease expires" in caplog.text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import defaultdict
 from datetime import UTC
@@ -20,6 +21,8 @@ import flowly
 CALLS: dict[str, list[str]] = defaultdict(list)
 CANCELLED: set[str] = set()
 SAGA_FAILS: set[str] = set()
+# per-run gates an in-process test opens when it is ready for the gated step to finish
+GATES: dict[str, threading.Event] = defaultdict(threading.Event)
 
 EFFECTS_TABLE = """
 create table if not exists public.test_effects (
@@ -51,6 +54,20 @@ async def three_steps(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any
         outputs[name] = await ctx.step(name, slow_effect, ctx.run_id, name,
                                        inp.get("step_seconds", 0))
     return outputs
+
+
+@flowly.workflow("gated")
+async def gated(ctx: flowly.Context, inp: Any) -> list[str]:
+    """Steps a, b, c; b is recorded as started, then waits until the test opens its gate."""
+    def wait_for_gate() -> None:
+        record_effect(ctx.run_id, "b")
+        if not GATES[ctx.run_id].wait(timeout=60):
+            raise TimeoutError("the test never opened the gate")
+
+    await ctx.step("a", record_effect, ctx.run_id, "a")
+    await ctx.step("b", wait_for_gate)
+    await ctx.step("c", record_effect, ctx.run_id, "c")
+    return ["a", "b", "c"]
 
 
 @flowly.workflow("quick")
