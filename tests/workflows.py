@@ -172,6 +172,12 @@ async def slow(ctx: flowly.Context, inp: dict[str, Any]) -> str:
     return str(await ctx.step("wait", wait))
 
 
+@flowly.workflow("stuck")
+async def stuck(ctx: flowly.Context, inp: Any) -> None:
+    """A sync step that never returns, like a network call without a timeout."""
+    await ctx.step("hang", threading.Event().wait)
+
+
 @flowly.workflow("bad_output")
 async def bad_output(ctx: flowly.Context, inp: Any) -> Any:
     """A step whose output is not JSON."""

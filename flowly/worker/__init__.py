@@ -18,10 +18,8 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
 import psycopg
@@ -45,6 +43,7 @@ from ..group_commit import GroupCommitter
 from ..retry import Retry
 from ..schema import install_dsn
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
+from .step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +110,7 @@ class _RunStore:
         return str(row[0])
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker._threads, partial(fn, *args))
+        return await self._worker._step_threads.run(fn, *args)
 
 
 class Worker:
@@ -164,8 +162,7 @@ class Worker:
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._threads = ThreadPoolExecutor(max_workers=concurrency,
-                                           thread_name_prefix="flowly-step")
+        self._step_threads = StepThreads(concurrency)
         self._pool: AsyncConnectionPool | None = None
         self._committer: GroupCommitter
 
@@ -216,7 +213,6 @@ class Worker:
             except psycopg.Error as exc:
                 logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
             await self._pool.close()
-            self._threads.shutdown(wait=False, cancel_futures=True)
             if on_main_thread:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
