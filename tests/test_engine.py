@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -373,3 +375,53 @@ def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
     assert status == "dead_letter" and error["type"] == "PoisonRun"
     db.execute("select flowly.retry_dead_letter('poison')")
     assert scalar(db, "select takeovers from flowly.runs") == 0
+
+
+def test_batch_writes_of_one_worker_do_not_deadlock(dsn: str, db: psycopg.Connection[Any]) -> None:
+    """A worker's heartbeat, group-committed checkpoints and completions share its runs; each
+    locks them in id order, so however the batches are ordered they never deadlock (40P01)."""
+    count = 60
+    db.execute("select flowly.start('quick', run_id => 'r' || i) from generate_series(1, %s) i",
+               (count,))
+    held = dict(db.execute("select run_id, lease_epoch from flowly.claim("
+                           "'w', array['quick'], array['default'], %s, '1 hour')",
+                           (count,)).fetchall())
+    deadline = time.monotonic() + 4
+    errors: list[BaseException] = []
+    calls = [0]
+
+    def loop(kind: str, seed: int) -> None:
+        shuffled = random.Random(seed)
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                n = 0
+                while time.monotonic() < deadline:
+                    ids = list(held)
+                    shuffled.shuffle(ids)
+                    epochs = [held[i] for i in ids]
+                    if kind == "heartbeat":
+                        conn.execute("select flowly.heartbeat('w', %s, %s, '1 hour')",
+                                     (ids, epochs))
+                    else:
+                        n += 1
+                        conn.execute(
+                            "select count(*) from flowly.checkpoint_steps(%s, %s, %s, %s::jsonb[],"
+                            " %s, %s)",
+                            (ids, epochs, [f"{kind}-{n}"] * len(ids), ["1"] * len(ids),
+                             [datetime.now(UTC)] * len(ids), [False] * len(ids)))
+                    calls[0] += 1
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(kind, seed))
+               for seed, kind in enumerate(["heartbeat", "heartbeat", "steps-a", "steps-b"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert calls[0] > 100
+    lost = db.execute("select count(*) from flowly.complete_runs(%s, %s, %s::jsonb[])"
+                      " where lease_lost", (list(held), list(held.values()),
+                                            ["1"] * len(held))).fetchone()
+    assert lost == (0,)

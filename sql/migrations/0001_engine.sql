@@ -13,7 +13,11 @@
 --
 -- Lock order: functions that touch a run and its steps/timers lock the runs row first (the
 -- fence check is an update, or a select ... for update / for share, on runs), then write the
--- child rows; batch forms lock their runs rows in one statement before any child row.
+-- child rows. Batch forms (heartbeat, checkpoint_steps, complete_runs, release) first lock
+-- the runs rows they hold in id order, in a statement of its own: an update's plan would lock
+-- them in physical order, which row updates keep changing, and two batches sharing runs (one
+-- worker's heartbeat and its group commit) would deadlock. dead_letter_stalled_runs and claim
+-- take rows with skip locked, so they never wait for a row lock.
 
 create table runs (
     id text primary key,
@@ -355,6 +359,7 @@ set search_path from current
 as $$
 begin
     update workers set last_seen_at = now() where id = p_worker;
+    perform lock_held_runs(p_run_ids, p_epochs);
     perform dead_letter_stalled_runs();
     return query
     with held as (
@@ -391,12 +396,28 @@ begin
 end
 $$;
 
+-- Locks, in id order, the runs among p_run_ids still held at the given epochs (see the lock
+-- order above); the batch writes that follow then never wait on each other in a cycle. A stale
+-- item locks nothing, so it cannot hold up the worker that took the run over.
+create function lock_held_runs(p_run_ids text[], p_epochs bigint[]) returns void
+language plpgsql
+set search_path from current
+as $$
+begin
+    perform from runs r
+    join unnest(p_run_ids, p_epochs) as h (id, epoch) on r.id = h.id and r.lease_epoch = h.epoch
+    where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
+    order by r.id
+    for no key update of r;
+end
+$$;
+
 -- Orders steps: across runs only its monotonicity matters (replay and LIFO compensation order).
 create sequence step_seq;
 
 -- Stores the outputs of completed steps of many runs in one statement (the worker
--- group-commits concurrent runs' steps). Each item is fenced on its own: the run row is
--- share-locked while its epoch is checked, so a takeover cannot slip in between; a stale item
+-- group-commits concurrent runs' steps). Each item is fenced on its own: the runs still held
+-- are locked first (lock_held_runs), so a takeover cannot slip in between; a stale item
 -- writes nothing and comes back with lease_lost, the others go through. A step already
 -- checkpointed keeps its first output (on conflict do nothing) and that stored output is
 -- returned, so a racing duplicate continues with the value every replay will see. Rows come
@@ -412,6 +433,7 @@ as $$
 -- well under one
 #variable_conflict use_column
 begin
+    perform lock_held_runs(p_run_ids, p_epochs);
     return query
     with items as (
         select i.run_id, i.epoch, i.name, i.output, i.started_at, i.compensable, i.ord
@@ -420,7 +442,6 @@ begin
     ), fenced as (
         select r.id, r.lease_epoch, r.generation from runs r
         where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
-        for share of r
     ), valid as (
         select i.*, f.generation from items i
         join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
@@ -481,6 +502,7 @@ language plpgsql
 set search_path from current
 as $$
 begin
+    perform lock_held_runs(p_run_ids, p_epochs);
     return query
     with items as (
         select i.id, i.epoch, i.output, i.ord
