@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from .db import dumps
+from .db import dumps, jsonb_safe_text
 from .errors import LeaseLost, StepOutputNotSerializable
 from .retry import Retry
 
@@ -92,7 +92,8 @@ class RunStore(Protocol):
 def error_info(exc: BaseException) -> dict[str, Any]:
     """The JSON stored for a failure: exception type, message and a bounded traceback."""
     tb = "".join(traceback.format_exception(exc))
-    return {"type": type(exc).__qualname__, "message": str(exc), "traceback": tb[-8000:]}
+    return {"type": type(exc).__qualname__, "message": jsonb_safe_text(str(exc)),
+            "traceback": jsonb_safe_text(tb[-8000:])}
 
 
 def serialise_output(value: Any, owner: str) -> str:

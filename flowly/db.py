@@ -62,9 +62,30 @@ def translated_errors() -> Iterator[None]:
         raise translated from error
 
 
+# a \u0000 escape preceded by an even number of backslashes (an odd number would make it text)
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def dumps(value: Any) -> str:
-    """Serialise a value to JSON text as Postgres jsonb accepts it (no NaN or Infinity)."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    """Serialise a value to JSON text that Postgres jsonb accepts, or raise ValueError.
+
+    JSON allows, and jsonb refuses, NaN and Infinity, the character U+0000 and unpaired
+    surrogates; catching them here names the culprit instead of failing a whole batch of
+    writes in the database.
+    """
+    text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    if _NUL_ESCAPE.search(text):
+        raise ValueError("jsonb cannot store the character U+0000 (NUL)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"jsonb cannot store an unpaired surrogate: {exc}") from None
+    return text
+
+
+def jsonb_safe_text(text: str) -> str:
+    """``text`` with what jsonb refuses (NUL, unpaired surrogates) spelled as escapes."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Calls:

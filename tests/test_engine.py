@@ -206,6 +206,28 @@ def test_non_json_step_output_fails_the_run_not_the_worker(dsn: str,
     assert client.get(poison).error["type"] == "SystemExit"
 
 
+def test_values_jsonb_refuses_fail_their_own_run_only(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """JSON that jsonb refuses (a NUL character) in one run's output or error fails that run
+    with a clear error; the runs whose writes share its group commit complete once."""
+    bad = client.start("nul_output", None)
+    failing = client.start("nul_error", None)
+    good = [client.start("three_steps", {}) for _ in range(20)]
+    with running_worker(dsn):
+        assert client.wait(bad, timeout=20).status == "dead_letter"
+        assert client.wait(failing, timeout=20).status == "dead_letter"
+        assert all(client.wait(run_id, timeout=20).status == "completed" for run_id in good)
+    error = client.get(bad).error
+    assert error["type"] == "StepOutputNotSerializable"
+    assert "step 'make_nul'" in error["message"] and "U+0000" in error["message"]
+    assert client.get(failing).error["message"] == "bad\\x00message"
+    assert scalar(db, "select max(takeovers) from flowly.runs") == 0
+    assert scalar(db, "select count(*) from public.test_effects") == 3 * len(good)
+    with pytest.raises(ValueError, match=r"U\+0000"):
+        client.start("quick", {"text": "\x00"})
+
+
 def test_sleep_cannot_be_swallowed_by_except_exception(dsn: str, client: flowly.Client) -> None:
     run_id = client.start("catches_everything", {"seconds": 0.3})
     with running_worker(dsn):

@@ -184,6 +184,21 @@ async def bad_output(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("make_object", lambda: object())
 
 
+@flowly.workflow("nul_output")
+async def nul_output(ctx: flowly.Context, inp: Any) -> Any:
+    """A step whose output is JSON but not jsonb: the NUL character."""
+    return await ctx.step("make_nul", lambda: "bad\x00")
+
+
+@flowly.workflow("nul_error")
+async def nul_error(ctx: flowly.Context, inp: Any) -> Any:
+    """A step that fails with a NUL in its message, on its only attempt."""
+    def fail() -> None:
+        raise ValueError("bad\x00message")
+
+    return await ctx.step("fail", fail, retry=flowly.Retry(max_attempts=1))
+
+
 @flowly.workflow("poison")
 async def poison(ctx: flowly.Context, inp: Any) -> Any:
     """A step that raises SystemExit, which must fail the run and not the worker."""
