@@ -378,6 +378,27 @@ def test_a_failed_engine_write_abandons_the_run_until_its_lease_expires(
     assert ran.count("a") == 1 and ran.count("b") == 2 and ran.count("c") == 1
 
 
+def test_a_late_heartbeat_does_not_cancel_a_newer_claim_of_the_run(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A heartbeat sent for epoch N is held up while the run sleeps and is claimed again by the
+    same worker (epoch N+2); when it reports epoch N lost, the new execution must go on."""
+    with running_worker(dsn, lease=4) as worker, psycopg.connect(dsn) as blocker:
+        wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), what="registered")
+        run_id = client.start("work_nap_work", {"first": 2, "second": 1})
+        wait_for(lambda: scalar(db, "select lease_epoch = 1 from flowly.runs"), what="claimed")
+        # the next heartbeat (its runs snapshotted now, at epoch 1) waits on the worker's row
+        blocker.execute("select from flowly.workers where id = %s for update", (worker.worker_id,))
+        wait_for(lambda: scalar(db, "select lease_epoch >= 3 and status = 'running'"
+                                    " from flowly.runs"), what="claimed again after the nap")
+        blocker.commit()
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed"
+    assert scalar(db, "select takeovers from flowly.runs") == 0
+    assert "lease lost" not in caplog.text
+
+
 def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
     db: psycopg.Connection[Any],
 ) -> None:

@@ -70,6 +70,14 @@ async def gated(ctx: flowly.Context, inp: Any) -> list[str]:
     return ["a", "b", "c"]
 
 
+@flowly.workflow("work_nap_work")
+async def work_nap_work(ctx: flowly.Context, inp: dict[str, Any]) -> None:
+    """A step, a short durable sleep (the run is released and claimed again), a step."""
+    await ctx.step("first", time.sleep, inp["first"])
+    await ctx.sleep("nap", 0.2)
+    await ctx.step("second", time.sleep, inp["second"])
+
+
 @flowly.workflow("quick")
 async def quick(ctx: flowly.Context, inp: Any) -> Any:
     """Three async steps that only yield to the loop; for throughput and many-run tests."""

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -252,7 +253,16 @@ class Worker:
                               timers),
                 name=f"flowly-run-{run_id}",
             )
+            # a callback, not a finally in _execute: it runs even if the task is cancelled
+            # before it starts
+            held.task.add_done_callback(partial(self._forget, held))
         return len(rows)
+
+    def _forget(self, held: _Held, _task: asyncio.Task[None]) -> None:
+        """Drop a finished run from the held set, unless it was claimed again meanwhile."""
+        if self._held.get(held.run_id) is held:
+            del self._held[held.run_id]
+        self._wakeup.set()
 
     async def _listen(self) -> None:
         """Wake the claim loop on NOTIFY; reconnect after a dropped connection."""
@@ -289,9 +299,12 @@ class Worker:
             except Exception as exc:  # keep beating: the next one may get through
                 logger.warning("heartbeat failed: %s", exc)
                 continue
+            beaten = {h.run_id: h for h in held}
             for (run_id,) in rows:
-                lost = self._held.get(run_id)
-                if lost is not None and lost.task is not None:
+                lost = beaten[run_id]
+                # the run may have been released and claimed again, with a new epoch, while this
+                # heartbeat was in flight: only the execution it was sent for is lost
+                if self._held.get(run_id) is lost and lost.task is not None:
                     logger.warning("lease lost on run %s: cancelling it here", run_id)
                     lost.task.cancel()
 
@@ -345,9 +358,6 @@ class Worker:
             logger.info("run %s cancelled in this worker", held.run_id)
         except Exception:  # the database went away mid-run: the lease expires, another takes it
             logger.exception("run %s interrupted by an internal error", held.run_id)
-        finally:
-            self._held.pop(held.run_id, None)
-            self._wakeup.set()
 
     async def _run_body(self, held: _Held, workflow: Workflow, ctx: Context, input: Any) -> str:
         """Run the workflow body; returns 'compensate' when the saga must run, else 'done'.
