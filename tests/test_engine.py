@@ -190,13 +190,16 @@ def test_run_timeout_dead_letters_and_stops_the_run(dsn: str, client: flowly.Cli
     assert run.error["type"] == "Timeout"
 
 
-def test_non_json_step_output_fails_the_run_not_the_worker(dsn: str,
-                                                           client: flowly.Client) -> None:
+def test_poison_step_outcomes_fail_the_run_not_the_worker(dsn: str,
+                                                          client: flowly.Client) -> None:
+    """A non-JSON output, a SystemExit and a StopIteration from a step each end their run."""
     bad = client.start("bad_output", None)
     poison = client.start("poison", None)
+    stopped = client.start("stop_iteration", None)
     with running_worker(dsn):
         assert client.wait(bad, timeout=20).status == "dead_letter"
         assert client.wait(poison, timeout=20).status == "dead_letter"
+        assert client.wait(stopped, timeout=20).status == "dead_letter"
         good = client.start("quick", 1)
         assert client.wait(good, timeout=20).status == "completed"  # the worker lives on
     error = client.get(bad).error
@@ -204,6 +207,7 @@ def test_non_json_step_output_fails_the_run_not_the_worker(dsn: str,
     assert "step 'make_object'" in error["message"]
     assert client.steps(bad)[0].attempts == 1  # not retried: it would fail the same way
     assert client.get(poison).error["type"] == "SystemExit"
+    assert "StopIteration" in client.get(stopped).error["message"]
 
 
 def test_values_jsonb_refuses_fail_their_own_run_only(

@@ -207,6 +207,12 @@ async def nul_error(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("fail", fail, retry=flowly.Retry(max_attempts=1))
 
 
+@flowly.workflow("stop_iteration")
+async def stop_iteration(ctx: flowly.Context, inp: Any) -> Any:
+    """A sync step that raises StopIteration (next() on an empty iterator), on its only attempt."""
+    return await ctx.step("next", next, iter([]), retry=flowly.Retry(max_attempts=1))
+
+
 @flowly.workflow("poison")
 async def poison(ctx: flowly.Context, inp: Any) -> Any:
     """A step that raises SystemExit, which must fail the run and not the worker."""
