@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -401,6 +402,27 @@ def test_a_late_heartbeat_does_not_cancel_a_newer_claim_of_the_run(
     assert run.status == "completed"
     assert scalar(db, "select takeovers from flowly.runs") == 0
     assert "lease lost" not in caplog.text
+
+
+def test_a_cancelled_worker_releases_its_runs(dsn: str, client: flowly.Client,
+                                              db: psycopg.Connection[Any]) -> None:
+    """Cancelling Worker.run() (an embedding application shutting down) releases the runs in
+    flight at once, as a stop does, instead of leaving them locked for a whole lease."""
+    run_id = client.start("slow", {"seconds": 60})
+
+    async def run_then_cancel() -> None:
+        task = asyncio.create_task(flowly.Worker(dsn, lease=60, poll_interval=0.1).run())
+        while not await asyncio.to_thread(
+                scalar, db, "select locked_by is not null from flowly.runs"):
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_then_cancel())
+    run = client.get(run_id)
+    assert (run.status, run.locked_by) == ("pending", None)
+    assert run_id in workflows.CANCELLED
 
 
 def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(

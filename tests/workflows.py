@@ -186,6 +186,18 @@ async def stuck(ctx: flowly.Context, inp: Any) -> None:
     await ctx.step("hang", threading.Event().wait)
 
 
+@flowly.workflow("stubborn")
+async def stubborn(ctx: flowly.Context, inp: Any) -> None:
+    """An async step that ignores its first cancellation and carries on for a while."""
+    async def hold_on() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(30)
+
+    await ctx.step("hold_on", hold_on)
+
+
 @flowly.workflow("bad_output")
 async def bad_output(ctx: flowly.Context, inp: Any) -> Any:
     """A step whose output is not JSON."""

@@ -48,6 +48,9 @@ from .step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
+# how long cancelled runs get to unwind at shutdown before they are released anyway
+_CANCEL_GRACE = 2.0
+
 __all__ = ["Worker"]
 
 
@@ -175,20 +178,36 @@ class Worker:
         self._wakeup.set()
 
     async def run(self) -> None:
-        """Run until :meth:`stop` (or SIGTERM/SIGINT when on the main thread)."""
+        """Run until :meth:`stop` (or SIGTERM/SIGINT when on the main thread).
+
+        However it ends (stopped, cancelled, or failing), runs still in flight are cancelled
+        here and released, so other workers take them at once.
+        """
         loop = asyncio.get_running_loop()
         on_main_thread = threading.current_thread() is threading.main_thread()
         if on_main_thread:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
-        if self.install_schema:
-            await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
-        self._pool = AsyncConnectionPool(
-            self.dsn, min_size=1, max_size=self.max_connections, open=False,
-            kwargs={"autocommit": True}, name="flowly-worker",
-        )
-        await self._pool.open()
-        self._committer = GroupCommitter(self._pool, self._calls)
+        try:
+            if self.install_schema:
+                await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
+            self._pool = AsyncConnectionPool(
+                self.dsn, min_size=1, max_size=self.max_connections, open=False,
+                kwargs={"autocommit": True}, name="flowly-worker",
+            )
+            await self._pool.open()
+            try:
+                await self._serve(self._pool)
+            finally:
+                await self._pool.close()
+        finally:
+            if on_main_thread:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            logger.info("worker %s stopped", self.worker_id)
+
+    async def _serve(self, pool: AsyncConnectionPool) -> None:
+        self._committer = GroupCommitter(pool, self._calls)
         self._committer.start()
         background: list[asyncio.Task[None]] = []
         try:
@@ -205,19 +224,15 @@ class Worker:
             await self._claim_loop()
             await self._drain()
         finally:
+            await self._release_unfinished()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._committer.close()
             try:
                 await self._call(self._calls.unregister_worker, (self.worker_id,))
-            except psycopg.Error as exc:
+            except Exception as exc:  # the worker row expires by itself
                 logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
-            await self._pool.close()
-            if on_main_thread:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.remove_signal_handler(sig)
-            logger.info("worker %s stopped", self.worker_id)
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -313,15 +328,27 @@ class Worker:
         if tasks:
             logger.info("draining %d run(s) for up to %.1fs", len(tasks), self.drain_timeout)
             await asyncio.wait(tasks, timeout=self.drain_timeout)
+
+    async def _release_unfinished(self) -> None:
+        """Cancel the runs still in flight and release them for other workers."""
         unfinished = list(self._held.values())
-        for held in unfinished:
-            if held.task is not None:
-                held.task.cancel()
-        await asyncio.gather(*(h.task for h in unfinished if h.task), return_exceptions=True)
-        if unfinished:
+        if not unfinished:
+            return
+        tasks = [h.task for h in unfinished if h.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # a step that ignores its cancellation must not hold the shutdown up: the release
+            # bumps the epoch, so nothing it writes afterwards can land
+            await asyncio.wait(tasks, timeout=_CANCEL_GRACE)
+        try:
             rows = await self._call(
                 self._calls.release, ([h.run_id for h in unfinished], [h.epoch for h in unfinished])
             )
+        except Exception as exc:
+            logger.warning("could not release %d run(s); other workers take them when their"
+                           " leases expire: %s", len(unfinished), exc)
+        else:
             logger.info("released %s unfinished run(s) for other workers", rows[0][0])
 
     # -- executing --------------------------------------------------------------------------

@@ -37,12 +37,12 @@ class StepThreads:
             def target() -> None:
                 try:
                     result = fn(*args)
-                except StopIteration as exc:  # a future refuses it; PEP 479 also converts it
-                    error = RuntimeError(f"step function raised StopIteration: {exc!r}")
-                    error.__cause__ = exc
-                    settle, value = outcome.set_exception, error
                 except BaseException as exc:  # handed to the step, which decides what it means
-                    settle, value = outcome.set_exception, exc
+                    error: BaseException = exc
+                    if isinstance(exc, StopIteration):  # a future refuses it, as PEP 479 does
+                        error = RuntimeError(f"step function raised StopIteration: {exc!r}")
+                        error.__cause__ = exc
+                    settle, value = outcome.set_exception, error
                 else:
                     settle, value = outcome.set_result, result
                 try:
