@@ -261,6 +261,23 @@ def test_bad_input_is_named(client: flowly.Client) -> None:
         flowly.Worker("postgresql://unused", ["never_registered"])
 
 
+@pytest.mark.parametrize("call", [
+    "flowly.claim('w', array['quick'], array['default'], 1, null)",
+    "flowly.claim('w', array['quick'], array['default'], 1, '-1 second')",
+    "flowly.claim('w', array['quick'], array['default'], 0, '1 minute')",
+    "flowly.claim('w', array['quick'], array['default'], null, '1 minute')",
+    "flowly.heartbeat('w', array['r'], array[1::bigint], '0 seconds')",
+])
+def test_worker_functions_refuse_arguments_that_would_unprotect_a_run(
+    db: psycopg.Connection[Any], call: str
+) -> None:
+    db.execute("select flowly.start('quick', run_id => 'r')")
+    with pytest.raises(psycopg.Error, match=r"lease|limit") as refused:
+        db.execute(f"select * from {call}")
+    assert refused.value.sqlstate == "WF003"
+    assert scalar(db, "select status from flowly.runs") == "pending"
+
+
 def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     db: psycopg.Connection[Any],
 ) -> None:

@@ -293,6 +293,20 @@ as $$
     delete from workers where id = p_worker
 $$;
 
+-- Refuses a lease that would leave a claimed run unprotected (null, zero or negative): another
+-- worker would take it over at once and both would run it.
+create function check_lease(p_lease interval) returns void
+language plpgsql
+set search_path from current
+as $$
+begin
+    if p_lease is null or p_lease <= interval '0' then
+        raise exception 'lease must be a positive interval, got %', coalesce(p_lease::text, 'null')
+            using errcode = 'WF003';
+    end if;
+end
+$$;
+
 -- Hands up to p_limit due runs to a worker, in one statement: pending runs whose time has come
 -- and running or compensating runs whose lease expired (a crashed worker's; taken over as they
 -- are, without counting an attempt), highest priority first, then longest due. Each claim bumps
@@ -308,6 +322,11 @@ language plpgsql
 set search_path from current
 as $$
 begin
+    if p_limit is null or p_limit < 1 then
+        raise exception 'claim limit must be a positive number of runs, got %',
+            coalesce(p_limit::text, 'null') using errcode = 'WF003';
+    end if;
+    perform check_lease(p_lease);
     perform dead_letter_stalled_runs();
     return query
     with due as (
@@ -358,6 +377,7 @@ language plpgsql
 set search_path from current
 as $$
 begin
+    perform check_lease(p_lease);
     update workers set last_seen_at = now() where id = p_worker;
     perform lock_held_runs(p_run_ids, p_epochs);
     perform dead_letter_stalled_runs();
