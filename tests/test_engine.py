@@ -299,6 +299,42 @@ def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     assert lost == [("r1",)]
 
 
+def _compensating_run(db: psycopg.Connection[Any], run_id: str, timeout: str) -> int:
+    """A run held by worker w whose compensable step completed and whose next step exhausted
+    its retries: it is compensating. Returns its epoch."""
+    db.execute("select flowly.start('quick', run_id => %s, timeout => %s::interval)",
+               (run_id, timeout))
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '1 hour')")
+    db.execute("select flowly.checkpoint(%s, %s, 'undoable', '1', now(), true)", (run_id, epoch))
+    decision = scalar(db, "select decision from flowly.fail_step(%s, %s, 'fails',"
+                          " '{\"type\": \"E\"}', now(), 1, 'fixed', 1, 1)", run_id, epoch)
+    assert decision == "compensate"
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "compensating"
+    return int(epoch)
+
+
+def test_a_compensating_run_finishes_its_saga_past_its_timeout(
+    db: psycopg.Connection[Any],
+) -> None:
+    epoch = _compensating_run(db, "late", "200 milliseconds")
+    time.sleep(0.3)
+    assert db.execute("select * from flowly.heartbeat('w', array['late'], array[%s::bigint],"
+                      " '1 hour')", (epoch,)).fetchall() == []  # still held, not timed out
+    db.execute("select flowly.record_compensation('late', %s, 'undoable', null)", (epoch,))
+    assert scalar(db, "select flowly.finish_compensation('late', %s)", epoch) is True
+    assert db.execute("select status, compensation_ok from flowly.runs").fetchone() == (
+        "dead_letter", True)
+
+
+def test_cancelling_a_saga_midway_records_compensation_not_ok(
+    db: psycopg.Connection[Any],
+) -> None:
+    _compensating_run(db, "midway", "1 hour")
+    assert scalar(db, "select flowly.cancel('midway')") == "cancelled"
+    assert scalar(db, "select compensation_ok from flowly.runs") is False
+
+
 def test_many_runs_share_a_handful_of_connections(dsn: str, client: flowly.Client,
                                                   db: psycopg.Connection[Any]) -> None:
     """Concurrency 200, 2,000 runs: the worker holds max_connections + 1 (listener)."""

@@ -239,7 +239,9 @@ $$;
 -- Moves to dead_letter the unfinished runs that must not go on, held or not (the epoch bump
 -- fences a worker still running one; it learns at its next heartbeat or write): runs past
 -- their overall timeout, and poison runs, whose lease expired again after max_takeovers()
--- takeovers. Called by claim and heartbeat, so neither needs a sweeper process.
+-- takeovers. A run already compensating is exempt from its timeout (its saga finishes); one
+-- cut short as poison records compensation_ok = false. Called by claim and heartbeat, so
+-- neither needs a sweeper process.
 create function dead_letter_stalled_runs() returns void
 language plpgsql
 set search_path from current
@@ -256,13 +258,15 @@ begin
                 'message', format('the lease of this run expired %s times while a worker held'
                                   ' it: its workers keep dying on it', r.takeovers + 1))
         end,
+        compensation_ok = case when r.status = 'compensating' then false
+                               else r.compensation_ok end,
         finished_at = now(),
         lease_epoch = r.lease_epoch + 1,
         locked_by = null,
         locked_until = null
     from (select t.id from runs t
           where t.status in ('pending', 'running', 'compensating')
-            and (t.timeout_at < now()
+            and ((t.timeout_at < now() and t.status <> 'compensating')
                  or (t.locked_until < now() and t.takeovers >= max_takeovers()))
           for update skip locked) stalled
     where r.id = stalled.id;
@@ -779,7 +783,8 @@ end
 $$;
 
 -- Cancels an unfinished run: it becomes cancelled and its lease is revoked (epoch bump), so a
--- worker running it stops at its next heartbeat or write. No compensation runs. Cancelling a
+-- worker running it stops at its next heartbeat or write. No compensation runs; cancelling a
+-- run in the middle of its compensations records compensation_ok = false. Cancelling a
 -- finished run changes nothing. Returns the run's status afterwards.
 create function cancel(run_id text) returns text
 language plpgsql
@@ -790,7 +795,9 @@ declare
 begin
     update runs r
     set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
-        lease_epoch = r.lease_epoch + 1
+        lease_epoch = r.lease_epoch + 1,
+        compensation_ok = case when r.status = 'compensating' then false
+                               else r.compensation_ok end
     where r.id = cancel.run_id and r.status in ('pending', 'running', 'compensating');
     select r.status into v_status from runs r where r.id = cancel.run_id;
     if not found then
