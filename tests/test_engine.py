@@ -335,6 +335,27 @@ def test_cancelling_a_saga_midway_records_compensation_not_ok(
     assert scalar(db, "select compensation_ok from flowly.runs") is False
 
 
+def test_a_racing_duplicate_checkpoint_returns_the_first_output(
+    dsn: str, db: psycopg.Connection[Any],
+) -> None:
+    """Two writers of the same step at the same epoch: the second waits for the first to
+    commit, then gets the stored output back (not null, not its own)."""
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '1 hour')")
+    second: list[Any] = []
+    with psycopg.connect(dsn) as first:
+        first.execute("select flowly.checkpoint('r1', %s, 's', '\"first\"')", (epoch,))
+        racer = threading.Thread(target=lambda: second.append(scalar(
+            db, "select flowly.checkpoint('r1', %s, 's', '\"second\"')", epoch)))
+        racer.start()
+        wait_for(lambda: scalar(first, "select count(*) from pg_stat_activity"
+                                       " where wait_event_type = 'Lock'"), what="second waits")
+        first.commit()
+        racer.join(10)
+    assert second == ["first"]
+
+
 def test_many_runs_share_a_handful_of_connections(dsn: str, client: flowly.Client,
                                                   db: psycopg.Connection[Any]) -> None:
     """Concurrency 200, 2,000 runs: the worker holds max_connections + 1 (listener)."""
