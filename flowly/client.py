@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
@@ -119,6 +119,28 @@ def _wait_statuses(status: str | Collection[str] | None) -> Collection[str]:
 _POLL_FIRST, _POLL_MAX = 0.02, 0.5
 
 
+def _poll_pauses(timeout: float | None) -> Iterator[float]:
+    """The pauses of ``wait`` between two looks at a run: doubling from 20 ms to 0.5 s, cut
+    short at the deadline, ending there."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = _POLL_FIRST
+    while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            pause = min(pause, left)
+        yield pause
+        pause = min(pause * 2, _POLL_MAX)
+
+
+def _next_pause(pauses: Iterator[float], run: Run, timeout: float | None) -> float:
+    pause = next(pauses, None)
+    if pause is None:
+        raise RunTimeout(f"run {run.id} is still {run.status} after {timeout}s")
+    return pause
+
+
 class Client:
     """Blocking client over one autocommit connection (opened lazily)."""
 
@@ -209,18 +231,12 @@ class Client:
         Raises :class:`RunTimeout` after ``timeout`` seconds.
         """
         wanted = _wait_statuses(status)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = _POLL_FIRST
+        pauses = _poll_pauses(timeout)
         while True:
             run = self.get(run_id)
             if run.status in wanted:
                 return run
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RunTimeout(f"run {run_id} is still {run.status} after {timeout}s")
-            if deadline is not None:
-                delay = min(delay, max(0.0, deadline - time.monotonic()))
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
+            time.sleep(_next_pause(pauses, run, timeout))
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
@@ -321,20 +337,12 @@ class AsyncClient:
     ) -> Run:
         """See :meth:`Client.wait`."""
         wanted = _wait_statuses(status)
-
-        async def poll() -> Run:
-            delay = _POLL_FIRST
-            while True:
-                run = await self.get(run_id)
-                if run.status in wanted:
-                    return run
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX)
-
-        try:
-            return await asyncio.wait_for(poll(), timeout)
-        except TimeoutError:
-            raise RunTimeout(f"run {run_id} did not reach {sorted(wanted)} in {timeout}s") from None
+        pauses = _poll_pauses(timeout)
+        while True:
+            run = await self.get(run_id)
+            if run.status in wanted:
+                return run
+            await asyncio.sleep(_next_pause(pauses, run, timeout))
 
     async def cancel(self, run_id: str) -> str:
         """See :meth:`Client.cancel`."""

@@ -402,14 +402,13 @@ def test_worker_survives_a_dropped_listener(dsn: str, client: flowly.Client,
 
 
 def test_async_client(dsn: str) -> None:
-    import asyncio
-
     async def scenario() -> tuple[flowly.Run, list[flowly.Step], str]:
         async with flowly.AsyncClient(dsn) as client:
             run_id = await client.start("quick", {"n": 1}, run_id="async-1")
             assert await client.start("quick", {"n": 2}, run_id="async-1") == run_id
             with running_worker(dsn):
                 run = await client.wait(run_id, timeout=20)
+            assert (await client.wait(run_id, timeout=0)).status == "completed"  # no wait needed
             other = await client.start("slow", {"seconds": 30})
             with pytest.raises(flowly.RunTimeout):
                 await client.wait(other, "completed", timeout=0.2)
