@@ -96,6 +96,14 @@ def error_info(exc: BaseException) -> dict[str, Any]:
             "traceback": jsonb_safe_text(tb[-8000:])}
 
 
+def cancel_requested(exc: BaseException) -> bool:
+    """Whether ``exc`` is this task being cancelled (lease lost, cancel, shutdown), rather than
+    a CancelledError that user code raised or let escape from a future of its own; the
+    latter is an ordinary failure of the step, body or compensation."""
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
+
+
 def serialise_output(value: Any, owner: str) -> str:
     """JSON text of a step's or workflow's output; a clear error naming ``owner`` if it has none."""
     try:
@@ -206,9 +214,11 @@ class Context:
         try:
             result = await call_user_function(self._store, fn, *args)
             payload = serialise_output(result, f"step {name!r}")
-        except (Interrupt, asyncio.CancelledError):
+        except Interrupt:
             raise
         except BaseException as exc:  # a poison step fails its run, never the worker
+            if cancel_requested(exc):
+                raise
             retryable = not isinstance(exc, StepOutputNotSerializable)
             decision = await self._fenced(
                 self._store.fail_step(name, error_info(exc), started_at, policy, retryable)

@@ -193,14 +193,15 @@ def test_run_timeout_dead_letters_and_stops_the_run(dsn: str, client: flowly.Cli
 
 def test_poison_step_outcomes_fail_the_run_not_the_worker(dsn: str,
                                                           client: flowly.Client) -> None:
-    """A non-JSON output, a SystemExit and a StopIteration from a step each end their run."""
+    """A non-JSON output, a SystemExit, a StopIteration and a CancelledError of the step's own
+    making each fail their run (not retried forever as if the worker were cancelling it)."""
     bad = client.start("bad_output", None)
     poison = client.start("poison", None)
     stopped = client.start("stop_iteration", None)
+    cancelled = client.start("cancelled_inside", None)
     with running_worker(dsn):
-        assert client.wait(bad, timeout=20).status == "dead_letter"
-        assert client.wait(poison, timeout=20).status == "dead_letter"
-        assert client.wait(stopped, timeout=20).status == "dead_letter"
+        for run_id in (bad, poison, stopped, cancelled):
+            assert client.wait(run_id, timeout=20).status == "dead_letter"
         good = client.start("quick", 1)
         assert client.wait(good, timeout=20).status == "completed"  # the worker lives on
     error = client.get(bad).error
@@ -209,6 +210,7 @@ def test_poison_step_outcomes_fail_the_run_not_the_worker(dsn: str,
     assert client.steps(bad)[0].attempts == 1  # not retried: it would fail the same way
     assert client.get(poison).error["type"] == "SystemExit"
     assert "StopIteration" in client.get(stopped).error["message"]
+    assert client.get(cancelled).error["type"] == "CancelledError"
 
 
 def test_values_jsonb_refuses_fail_their_own_run_only(

@@ -225,6 +225,17 @@ async def stop_iteration(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("next", next, iter([]), retry=flowly.Retry(max_attempts=1))
 
 
+@flowly.workflow("cancelled_inside")
+async def cancelled_inside(ctx: flowly.Context, inp: Any) -> Any:
+    """An async step awaiting a future that something else cancelled, on its only attempt."""
+    async def await_cancelled_future() -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+    return await ctx.step("await_it", await_cancelled_future, retry=flowly.Retry(max_attempts=1))
+
+
 @flowly.workflow("poison")
 async def poison(ctx: flowly.Context, inp: Any) -> Any:
     """A step that raises SystemExit, which must fail the run and not the worker."""

@@ -35,6 +35,7 @@ from ..context import (
     RunAbandoned,
     StoredStep,
     call_user_function,
+    cancel_requested,
     error_info,
     serialise_output,
 )
@@ -399,11 +400,13 @@ class Worker:
             payload = serialise_output(result, f"workflow {workflow.name!r}")
         except CompensateInterrupt as interrupt:
             return interrupt.decision
-        except (LeaseLostInterrupt, RunAbandoned, asyncio.CancelledError):
+        except (LeaseLostInterrupt, RunAbandoned):
             raise
         except Interrupt:
             return "done"
         except BaseException as exc:  # the body itself failed: the database decides what next
+            if cancel_requested(exc):
+                raise
             if ctx.compensating:
                 return "compensate"
             logger.info("run %s failed outside a step: %r", held.run_id, exc)
@@ -437,9 +440,9 @@ class Worker:
             else:
                 try:
                     await call_user_function(store, fn, step.output)
-                except asyncio.CancelledError:
-                    raise
                 except BaseException as exc:  # one failing compensation must not stop the rest
+                    if cancel_requested(exc):
+                        raise
                     error = error_info(exc)
                     logger.warning("compensation of step %r in run %s failed: %s",
                                    name, held.run_id, exc)
