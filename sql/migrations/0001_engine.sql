@@ -13,11 +13,11 @@
 --
 -- Lock order: functions that touch a run and its steps/timers lock the runs row first (the
 -- fence check is an update, or a select ... for update / for share, on runs), then write the
--- child rows. Batch forms (heartbeat, checkpoint_steps, complete_runs, release) first lock
--- the runs rows they hold in id order, in a statement of its own: an update's plan would lock
--- them in physical order, which row updates keep changing, and two batches sharing runs (one
--- worker's heartbeat and its group commit) would deadlock. dead_letter_stalled_runs and claim
--- take rows with skip locked, so they never wait for a row lock.
+-- child rows. Batch forms (heartbeat, checkpoint_steps, complete_runs, release) lock their runs
+-- rows in id order (order by id ... for share / for update, whose rows are locked after the
+-- sort): an update's own plan would lock them in physical order, which row updates keep
+-- changing, and two batches sharing runs (one worker's heartbeat and its group commit) would
+-- deadlock. dead_letter_stalled_runs and claim take rows with skip locked, so they never wait.
 
 create table runs (
     id text primary key,
@@ -383,7 +383,12 @@ as $$
 begin
     perform check_lease(p_lease);
     update workers set last_seen_at = now() where id = p_worker;
-    perform lock_held_runs(p_run_ids, p_epochs);
+    -- our runs first, in id order, before the sweep holds any other row
+    perform from runs r
+    join unnest(p_run_ids, p_epochs) as h (id, epoch) on r.id = h.id and r.lease_epoch = h.epoch
+    where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
+    order by r.id
+    for no key update of r;
     perform dead_letter_stalled_runs();
     return query
     with held as (
@@ -420,28 +425,12 @@ begin
 end
 $$;
 
--- Locks, in id order, the runs among p_run_ids still held at the given epochs (see the lock
--- order above); the batch writes that follow then never wait on each other in a cycle. A stale
--- item locks nothing, so it cannot hold up the worker that took the run over.
-create function lock_held_runs(p_run_ids text[], p_epochs bigint[]) returns void
-language plpgsql
-set search_path from current
-as $$
-begin
-    perform from runs r
-    join unnest(p_run_ids, p_epochs) as h (id, epoch) on r.id = h.id and r.lease_epoch = h.epoch
-    where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
-    order by r.id
-    for no key update of r;
-end
-$$;
-
 -- Orders steps: across runs only its monotonicity matters (replay and LIFO compensation order).
 create sequence step_seq;
 
 -- Stores the outputs of completed steps of many runs in one statement (the worker
--- group-commits concurrent runs' steps). Each item is fenced on its own: the runs still held
--- are locked first (lock_held_runs), so a takeover cannot slip in between; a stale item
+-- group-commits concurrent runs' steps). Each item is fenced on its own: the run row is
+-- share-locked while its epoch is checked, so a takeover cannot slip in between; a stale item
 -- writes nothing and comes back with lease_lost, the others go through. A step already
 -- checkpointed keeps its first output (on conflict do nothing) and that stored output is
 -- returned, so a racing duplicate continues with the value every replay will see. Rows come
@@ -456,43 +445,61 @@ as $$
 -- plpgsql rather than sql: it keeps the plan between calls, which cuts a call from ~8 ms to
 -- well under one
 #variable_conflict use_column
+declare
+    v_item record;
 begin
-    perform lock_held_runs(p_run_ids, p_epochs);
-    return query
-    with items as (
-        select i.run_id, i.epoch, i.name, i.output, i.started_at, i.compensable, i.ord
-        from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
-            with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
-    ), fenced as (
-        select r.id, r.lease_epoch, r.generation from runs r
-        where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
-    ), valid as (
-        select i.*, f.generation from items i
-        join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
-    ), inserted as (
-        insert into steps as s (run_id, name, seq, status, output, attempts, started_at,
-                                compensable)
-        select v.run_id, v.name, nextval('step_seq'), 'completed', v.output,
-               1 + (select count(*) from step_attempts a
-                    where a.run_id = v.run_id and a.step_name = v.name
-                      and a.generation = v.generation),
-               v.started_at, v.compensable
-        from valid v
-        order by v.ord
-        on conflict do nothing
-        returning s.run_id, s.name, s.output, s.seq
-    )
-    select i.run_id, i.name, v.ord is null,
-           case when n.run_id is not null then n.output else stored.output end,
-           coalesce(n.seq, stored.seq)
-    from items i
-    left join valid v on v.ord = i.ord
-    left join inserted n on n.run_id = i.run_id and n.name = i.name
-    left join lateral (
-        select s.output, s.seq from steps s
-        where v.ord is not null and n.run_id is null and s.run_id = i.run_id and s.name = i.name
-    ) stored on true
-    order by i.ord;
+    for v_item in
+        with items as (
+            select i.run_id, i.epoch, i.name, i.output, i.started_at, i.compensable, i.ord
+            from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
+                with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
+        ), fenced as (
+            select r.id, r.lease_epoch, r.generation from runs r
+            where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
+            order by r.id
+            for share of r
+        ), valid as (
+            select i.*, f.generation from items i
+            join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
+        ), inserted as (
+            insert into steps as s (run_id, name, seq, status, output, attempts, started_at,
+                                    compensable)
+            select v.run_id, v.name, nextval('step_seq'), 'completed', v.output,
+                   1 + (select count(*) from step_attempts a
+                        where a.run_id = v.run_id and a.step_name = v.name
+                          and a.generation = v.generation),
+                   v.started_at, v.compensable
+            from valid v
+            order by v.ord
+            on conflict do nothing
+            returning s.run_id, s.name, s.output, s.seq
+        )
+        select i.run_id, i.name, v.ord is null as lease_lost,
+               case when n.run_id is not null then n.output else stored.output end as output,
+               coalesce(n.seq, stored.seq) as seq
+        from items i
+        left join valid v on v.ord = i.ord
+        left join inserted n on n.run_id = i.run_id and n.name = i.name
+        left join lateral (
+            select s.output, s.seq from steps s
+            where v.ord is not null and n.run_id is null and s.run_id = i.run_id
+              and s.name = i.name
+        ) stored on true
+        order by i.ord
+    loop
+        run_id := v_item.run_id;
+        name := v_item.name;
+        lease_lost := v_item.lease_lost;
+        output := v_item.output;
+        seq := v_item.seq;
+        if not lease_lost and seq is null then
+            -- a duplicate committed while our insert waited for it, after the statement's
+            -- snapshot was taken: this new statement sees it
+            select s.output, s.seq into output, seq
+            from steps s where s.run_id = v_item.run_id and s.name = v_item.name;
+        end if;
+        return next;
+    end loop;
 end
 $$;
 
@@ -526,16 +533,18 @@ language plpgsql
 set search_path from current
 as $$
 begin
-    perform lock_held_runs(p_run_ids, p_epochs);
     return query
     with items as (
         select i.id, i.epoch, i.output, i.ord
         from unnest(p_run_ids, p_epochs, p_outputs) with ordinality as i (id, epoch, output, ord)
+    ), locked as (
+        select r.id from runs r where r.id = any(p_run_ids) order by r.id for no key update
     ), done as (
         update runs r
         set status = 'completed', output = i.output, error = null, finished_at = now(),
             locked_by = null, locked_until = null
         from items i
+        join locked l on l.id = i.id
         where r.id = any(p_run_ids) and r.id = i.id and r.lease_epoch = i.epoch
           and r.status = 'running'
         returning r.id
