@@ -55,12 +55,21 @@ def install(
 ) -> list[int]:
     """Apply the missing migrations (up to ``target``) to ``schema``; return their versions.
 
-    Runs in one transaction of ``conn`` (committed here unless the caller already opened one).
-    The worker calls it in a thread at start-up, so it needs no async twin.
+    Runs in one transaction of ``conn`` (committed here unless the caller already opened one,
+    whose settings it leaves as they were). A schema already up to date is only read, so a
+    role without the privilege to create anything (a worker's, say) can call it. The worker
+    calls it in a thread at start-up, so it needs no async twin.
     """
     check_schema_name(schema)
+    wanted = {m.version for m in migrations() if target is None or m.version <= target}
     applied: list[int] = []
     with conn.transaction():
+        if wanted <= set(installed_versions(conn, schema)):
+            return applied
+        # set local lasts until the caller's transaction ends (this block may be a savepoint
+        # in it), so put these back after; a rollback to the savepoint puts them back itself
+        saved = conn.execute("select current_setting('search_path'),"
+                             " current_setting('client_min_messages')").fetchone()
         conn.execute("set local client_min_messages = warning")
         conn.execute("select pg_advisory_xact_lock(%s)", (INSTALL_LOCK_KEY,))
         conn.execute(sql.SQL("create schema if not exists {}").format(sql.Identifier(schema)))
@@ -80,6 +89,8 @@ def install(
             )
             applied.append(migration.version)
             logger.info("applied migration %s to schema %r", migration.name, schema)
+        conn.execute("select set_config('search_path', %s, true),"
+                     " set_config('client_min_messages', %s, true)", saved)
     return applied
 
 

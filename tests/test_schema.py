@@ -24,7 +24,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY, install, install_dsn, installed_versions, migrations
-from tests import sqllint
+from tests import sqllint, workflows  # noqa: F401 (registers the workflows workers run)
+from tests.support import running_worker
 
 requires_psql = pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not on PATH")
 
@@ -347,6 +348,44 @@ def test_psql_install_refuses_unusable_schema_names(empty_dsn: str, schema: str)
                                " and nspname not in ('public', 'information_schema')").fetchall()
     assert created == [], f"install.sql created {created} for schema {schema!r}"
     assert result.returncode != 0, result.stdout
+
+
+def test_a_worker_role_that_may_not_create_anything_can_start(empty_dsn: str) -> None:
+    """Install checks before it locks or creates: a worker whose role may only use the schema
+    (no CREATE on the database) starts against an up-to-date install."""
+    install_dsn(empty_dsn)
+    role = f"flowly_app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL(
+            "create role {r} login; revoke create on database {d} from public;"
+            " grant usage on schema flowly to {r};"
+            " grant select, insert, update, delete on all tables in schema flowly to {r};"
+            " grant usage on all sequences in schema flowly to {r}").format(
+                r=sql.Identifier(role),
+                d=sql.Identifier(conninfo_to_dict(empty_dsn)["dbname"])))
+        try:
+            app_dsn = make_conninfo(empty_dsn, user=role)
+            with psycopg.connect(app_dsn, autocommit=True) as app:
+                assert install(app) == []
+            with flowly.Client(app_dsn) as client:
+                run_id = client.start("quick", 1)
+                with running_worker(app_dsn):  # installs at start, as every worker does
+                    assert client.wait(run_id, timeout=20).status == "completed"
+        finally:
+            admin.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
+                r=sql.Identifier(role)))
+
+
+def test_install_inside_the_callers_transaction_leaves_its_settings(empty_dsn: str) -> None:
+    with psycopg.connect(empty_dsn) as conn:
+        conn.execute("create table public.orders (id int)")
+        before = conn.execute("select current_setting('search_path')").fetchone()
+        assert install(conn, "jobs") == [m.version for m in migrations()]
+        assert conn.execute("select current_setting('search_path')").fetchone() == before
+        conn.execute("insert into orders values (1)")  # still resolves to public.orders
+        conn.commit()
+    with psycopg.connect(empty_dsn) as conn:
+        assert installed_versions(conn, "jobs") == [m.version for m in migrations()]
 
 
 def test_a_63_byte_schema_name_is_accepted(empty_dsn: str) -> None:
