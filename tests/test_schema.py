@@ -388,12 +388,18 @@ def test_install_inside_the_callers_transaction_leaves_its_settings(empty_dsn: s
         assert installed_versions(conn, "jobs") == [m.version for m in migrations()]
 
 
-def test_a_63_byte_schema_name_is_accepted(empty_dsn: str) -> None:
-    """The limit is exact: a name of 63 bytes is used as given, not truncated."""
-    schema = "s" * 63
+@pytest.mark.parametrize("schema", ["s" * 63, "é" * 31])
+def test_a_63_byte_schema_name_is_accepted(empty_dsn: str, schema: str) -> None:
+    """The limit is exact: a name of up to 63 bytes is used as given, not truncated, and runs
+    start in it (its wake-up channel, too long to derive from the name, is a digest)."""
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert install(conn, schema) == [m.version for m in migrations()]
         assert installed_versions(conn, schema) == [m.version for m in migrations()]
+        conn.execute(sql.SQL("select {}.start('quick', run_id => 'r')").format(
+            sql.Identifier(schema)))
+        channel = conn.execute(sql.SQL("select {}.wakeup_channel()").format(
+            sql.Identifier(schema))).fetchone()
+        assert channel is not None and len(channel[0].encode()) <= 63
 
 
 # --- concurrency ---------------------------------------------------------------------------

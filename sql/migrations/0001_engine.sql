@@ -125,13 +125,20 @@ create table workers (
     last_seen_at timestamptz not null default now()
 );
 
--- The NOTIFY channel that wakes idle workers of this schema.
+-- The NOTIFY channel that wakes idle workers of this schema. A channel name is an identifier
+-- of at most 63 bytes; a schema name too long for that gets a digest instead (cutting it
+-- could split a multibyte character, or make two schemas share a channel).
 create function wakeup_channel() returns text
 language plpgsql stable
 set search_path from current
 as $$
+declare
+    v_channel text := current_schema() || '_wakeup';
 begin
-    return left(current_schema() || '_wakeup', 63);
+    if octet_length(v_channel) > 63 then
+        v_channel := 'flowly_wakeup_' || md5(current_schema());
+    end if;
+    return v_channel;
 end
 $$;
 
