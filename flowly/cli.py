@@ -5,7 +5,8 @@ Every command is a thin layer over the public API (:class:`flowly.Client`,
 views, so what it prints is what SQL shows. Mistakes a user can make (bad JSON, an unknown run,
 an unreachable database, a schema name Postgres cannot use) end with one ``error: ...`` line on
 stderr and a non-zero status, never a traceback: 2 for a bad invocation, 1 for an operation
-that failed. ``--json`` switches every command to machine-readable output on stdout.
+that failed. ``--json`` switches the commands that report (all but ``worker`` and ``demo``) to
+machine-readable output on stdout.
 """
 
 from __future__ import annotations
@@ -224,7 +225,10 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     match = _AGE.fullmatch(text.strip())
     if match:
-        return now - timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
+        try:
+            return now - timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
+        except OverflowError:
+            raise CliError(f"--since: {text!r} reaches before the year 1", EXIT_USAGE) from None
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -233,11 +237,15 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     return when if when.tzinfo is not None else when.astimezone()
 
 
+def _check_limit(limit: int) -> None:
+    if limit < 1:
+        raise CliError(f"--limit must be at least 1, got {limit}", EXIT_USAGE)
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     """``runs``: recent runs, newest first, filtered."""
     since = parse_since(args.since) if args.since else None
-    if args.limit < 1:
-        raise CliError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
+    _check_limit(args.limit)
     with _client(args) as client:
         runs = client.list_runs(status=args.status, workflow=args.workflow, since=since,
                                 limit=args.limit)
@@ -304,6 +312,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
     """``dead-letters``: failed runs, newest first, with the step that failed."""
+    _check_limit(args.limit)
     with _client(args) as client:
         runs = client.dead_letters(workflow=args.workflow, limit=args.limit)
     if args.json:
@@ -385,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="stop after migration N (default: the newest)")
 
     worker = add("worker", cmd_worker, "run a worker (same as python -m flowly.worker)")
-    worker.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    worker.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (INFO)")
     add_worker_arguments(worker)
 
     start = add("start", cmd_start, "start a run and print its id")
@@ -436,7 +446,11 @@ def _resolve_database(args: argparse.Namespace) -> None:
         ) from exc
     print(f"flowly: no database configured (--dsn, FLOWLY_DSN or DATABASE_URL); using the"
           f" embedded PostgreSQL in {resolve_data_dir()}", file=sys.stderr)
-    args.dsn = resolve_dsn(None)
+    try:
+        args.dsn = resolve_dsn(None)
+    except Exception as exc:  # pgserver raises whatever initdb or pg_ctl made of it
+        raise CliError(f"cannot start the embedded PostgreSQL in {resolve_data_dir()}: {exc}"
+                       " (set FLOWLY_EMBEDDED_DIR, or pass --dsn)") from exc
     print(f"flowly: embedded database: {args.dsn}", file=sys.stderr)
 
 

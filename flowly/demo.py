@@ -87,9 +87,10 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+        env["FLOWLY_DSN"] = dsn  # not on the command line, where ps would show its password
         command = [
             sys.executable, "-m", "flowly.worker", "--app", "examples.order",
-            "--dsn", dsn, "--schema", schema, "--queue", DEMO_QUEUE,
+            "--schema", schema, "--queue", DEMO_QUEUE,
             "--lease", str(LEASE_SECONDS), "--poll-interval", "0.1", "--drain-timeout", "5",
         ]
         with self.log_path.open("w") as log:

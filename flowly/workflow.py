@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,12 +101,13 @@ def start_params(
         "input": payload,
         "run_id": run_id,
         "queue": _option(options, "queue", defaults.queue if defaults else "default"),
-        "priority": _option(options, "priority", 0),
+        "priority": _int4(workflow, "priority", _option(options, "priority", 0)),
         "scheduled_for": options.get("scheduled_for"),
-        "delay": _interval(options.get("delay")),
+        "delay": _interval(workflow, "delay", options.get("delay")),
         "concurrency_key": options.get("concurrency_key"),
-        "max_attempts": _option(options, "max_attempts", defaults.max_attempts if defaults else 3),
-        "timeout": _interval(options.get("timeout")),
+        "max_attempts": _int4(workflow, "max_attempts", _option(
+            options, "max_attempts", defaults.max_attempts if defaults else 3)),
+        "timeout": _interval(workflow, "timeout", options.get("timeout")),
         "parent_run_id": None,
     }
 
@@ -116,5 +118,21 @@ def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _interval(value: float | timedelta | None) -> timedelta | None:
-    return timedelta(seconds=value) if isinstance(value, (int, float)) else value
+def _int4(workflow: str, name: str, value: Any) -> Any:
+    """``value`` if the database's integer can hold it (the SQL checks its range of meaning)."""
+    if isinstance(value, int) and not -2**31 <= value < 2**31:
+        raise InvalidArgument(f"{name} of a {workflow!r} run is out of range: {value}")
+    return value
+
+
+def _interval(workflow: str, name: str, value: float | timedelta | None) -> timedelta | None:
+    if not isinstance(value, (int, float)):
+        return value
+    try:
+        if not math.isfinite(value):
+            raise OverflowError
+        return timedelta(seconds=value)
+    except OverflowError:
+        raise InvalidArgument(
+            f"{name} of a {workflow!r} run must be a finite number of seconds that fits an"
+            f" interval, got {value}") from None

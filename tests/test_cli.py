@@ -202,6 +202,25 @@ def test_start_refuses_out_of_range_options(dsn: str) -> None:
     assert "--delay" in one_error_line(flowly("start", "order", "--delay", "-1", dsn=dsn), 2)
     assert "--max-attempts" in one_error_line(
         flowly("start", "order", "--max-attempts", "0", dsn=dsn), 2)
+    assert "priority" in one_error_line(
+        flowly("start", "order", "--priority", "99999999999", dsn=dsn), 2)
+    assert "timeout" in one_error_line(flowly("start", "order", "--timeout", "nan", dsn=dsn), 2)
+    assert "delay" in one_error_line(flowly("start", "order", "--delay", "inf", dsn=dsn), 2)
+
+
+def test_other_out_of_range_arguments_get_one_line(dsn: str) -> None:
+    assert "--since" in one_error_line(flowly("runs", "--since", "1000000d", dsn=dsn), 2)
+    assert "--limit" in one_error_line(flowly("dead-letters", "--limit", "0", dsn=dsn), 2)
+    bad_level = flowly("worker", "--app", "examples.order", "--log-level", "bogus", dsn=dsn)
+    assert bad_level.returncode == 2 and "invalid choice" in bad_level.stderr
+    assert "Traceback" not in bad_level.stderr
+
+
+def test_an_embedded_database_that_cannot_start_is_one_error_line() -> None:
+    result = flowly("runs", env={"FLOWLY_EMBEDDED_DIR": "/proc/flowly-cannot-be-here/pgdata"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: cannot start the embedded PostgreSQL"), result.stderr
 
 
 # -- runs / show / cancel / retry / dead-letters on real runs ---------------------------------
