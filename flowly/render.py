@@ -14,6 +14,8 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from pglast import keywords
+
 from .client import Client, Run, Step, StepAttempt, Timer
 
 
@@ -90,9 +92,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "
     return "\n".join(lines)
 
 
+_KEYWORDS_NEEDING_QUOTES = (
+    keywords.RESERVED_KEYWORDS | keywords.TYPE_FUNC_NAME_KEYWORDS | keywords.COL_NAME_KEYWORDS)
+
+
 def quote_ident(name: str) -> str:
-    """``name`` as it must be typed in SQL: bare when it is a plain lower-case identifier."""
-    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+    """``name`` as it must be typed in SQL: bare when it is a plain lower-case identifier that
+    is not a keyword Postgres would read otherwise (``user``, ``select``, ...)."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) and name not in _KEYWORDS_NEEDING_QUOTES:
         return name
     return '"' + name.replace('"', '""') + '"'
 

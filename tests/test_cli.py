@@ -414,3 +414,15 @@ def test_demo_runs_end_to_end(dsn: str, db: psycopg.Connection[Any]) -> None:
     assert reserve == (1, 1)
     # worker B unregistered on SIGTERM; only the SIGKILLed worker A left its row behind
     assert db.execute("select count(*) from flowly.workers").fetchone() == (1,)
+
+
+@pytest.mark.parametrize("schema", ["user", "select", "Jobs", 'we"ird name'])
+def test_printed_sql_names_the_schema_as_psql_reads_it(empty_dsn: str, schema: str) -> None:
+    """The queries flowly prints for psql (show, demo) quote the schema only when needed,
+    which includes keywords such as user."""
+    from flowly.render import quote_ident
+    from flowly.schema import install
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        install(conn, schema)
+        assert conn.execute(f"select count(*) from {quote_ident(schema)}.runs").fetchone() == (0,)
