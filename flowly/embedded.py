@@ -89,18 +89,28 @@ def _running_info(pgdata: pathlib.Path) -> PostmasterInfo | None:
     info = PostmasterInfo.read_from_pgdata(pgdata)
     if info is None:
         return None
-    try:
-        proc = psutil.Process(info.pid)
-        alive = proc.name() == "postgres" and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        alive = False
-    if not alive:
+    if not _serves(info.pid, pgdata):
         logger.warning("removing lock files of dead postmaster (pid %d)", info.pid)
         (pgdata / "postmaster.pid").unlink(missing_ok=True)
         if info.socket_dir is not None:  # postgres deems a zombie PID alive
             (info.socket_dir / f".s.PGSQL.{info.port}.lock").unlink(missing_ok=True)
         return None
     return info if info.status == "ready" else None
+
+
+def _serves(pid: int, pgdata: pathlib.Path) -> bool:
+    """Whether process ``pid`` is a live postgres running on ``pgdata`` (a postmaster works in
+    its data directory); another postgres that reused the PID after a reboot is not."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.name() != "postgres" or proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        try:
+            return pathlib.Path(proc.cwd()).resolve() == pgdata.resolve()
+        except psutil.AccessDenied:  # someone else's process: postgres's own interlock decides
+            return True
+    except psutil.Error:
+        return False
 
 
 def _dsn(info: PostmasterInfo) -> str:

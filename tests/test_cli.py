@@ -426,3 +426,23 @@ def test_printed_sql_names_the_schema_as_psql_reads_it(empty_dsn: str, schema: s
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         install(conn, schema)
         assert conn.execute(f"select count(*) from {quote_ident(schema)}.runs").fetchone() == (0,)
+
+
+def test_a_postmaster_pid_that_another_postgres_reused_is_not_trusted(
+    tmp_path: Path, db: psycopg.Connection[Any]
+) -> None:
+    """After a reboot the PID in the embedded cluster's postmaster.pid may belong to another
+    postgres (here: a backend of the test server): it is stale, not a server to reuse."""
+    import psutil
+
+    from flowly.embedded import _running_info
+
+    backend = db.info.backend_pid
+    if os.geteuid() != 0 and psutil.Process(backend).username() != psutil.Process().username():
+        pytest.skip("another user's postgres: its working directory cannot be read")
+    pgdata = tmp_path / "pgdata"
+    pgdata.mkdir()
+    (pgdata / "postmaster.pid").write_text(
+        f"{backend}\n{pgdata}\n1700000000\n5432\n{tmp_path}\n127.0.0.1\n  1 2\nready   \n")
+    assert _running_info(pgdata) is None
+    assert not (pgdata / "postmaster.pid").exists()
