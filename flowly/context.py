@@ -89,6 +89,10 @@ class RunStore(Protocol):
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
+# names key a btree index (run id, name), whose entries must stay under about 2.7 kB
+_MAX_NAME_BYTES = 1000
+
+
 def error_info(exc: BaseException) -> dict[str, Any]:
     """The JSON stored for a failure: exception type, message and a bounded traceback."""
     tb = "".join(traceback.format_exception(exc))
@@ -173,8 +177,15 @@ class Context:
         return f"{self.run_id}:{step}"
 
     def _claim_name(self, name: str) -> None:
-        if not name:
-            raise ValueError("step, sleep and timer names must not be empty")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"step and sleep names must be non-empty strings, got {name!r}")
+        try:
+            size: int | None = len(name.encode("utf-8"))
+        except UnicodeEncodeError:  # an unpaired surrogate
+            size = None
+        if size is None or size > _MAX_NAME_BYTES or "\x00" in name:
+            raise ValueError(f"step or sleep name {name[:80]!r} must be text of at most"
+                             f" {_MAX_NAME_BYTES} bytes with no NUL character")
         if name in self._names_used:
             raise ValueError(
                 f"name {name!r} is used twice in run {self.run_id}: every step and sleep of a"

@@ -118,9 +118,11 @@ class GroupCommitter:
         completions = [item for item in batch if isinstance(item, _Completion)]
         async with self._pool.connection() as conn:
             with translated_errors():
-                # the two calls touch different runs, so each may commit on its own; pipelined
-                # on an autocommit connection they cost one round trip together
-                async with conn.pipeline():
+                # the two calls touch different runs, so each commits on its own: the sync
+                # between them ends the first's transaction (without it both would share one,
+                # which locks runs out of id order and can deadlock with a heartbeat);
+                # pipelined, they still cost one round trip together
+                async with conn.pipeline() as pipeline:
                     checkpoint_cursor = completion_cursor = None
                     if checkpoints:
                         checkpoint_cursor = await conn.execute(
@@ -134,6 +136,7 @@ class GroupCommitter:
                                 [c.compensable for c in checkpoints],
                             ),
                         )
+                        await pipeline.sync()
                     if completions:
                         completion_cursor = await conn.execute(
                             self._calls.complete_runs,

@@ -11,8 +11,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 import flowly
+from flowly.db import Calls
+from flowly.group_commit import GroupCommitter
 from tests import workflows
 from tests.support import running_worker, scalar, wait_for
 
@@ -216,19 +219,23 @@ def test_poison_step_outcomes_fail_the_run_not_the_worker(dsn: str,
 def test_values_jsonb_refuses_fail_their_own_run_only(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
-    """JSON that jsonb refuses (a NUL character) in one run's output or error fails that run
-    with a clear error; the runs whose writes share its group commit complete once."""
+    """What jsonb or the steps index refuses (a NUL character) in one run's output, error or
+    step name fails that run with a clear error; the runs whose writes share its group commit
+    complete once."""
     bad = client.start("nul_output", None)
     failing = client.start("nul_error", None)
+    badly_named = client.start("nul_name", None, max_attempts=1)
     good = [client.start("three_steps", {}) for _ in range(20)]
     with running_worker(dsn):
         assert client.wait(bad, timeout=20).status == "dead_letter"
         assert client.wait(failing, timeout=20).status == "dead_letter"
+        assert client.wait(badly_named, timeout=20).status == "dead_letter"
         assert all(client.wait(run_id, timeout=20).status == "completed" for run_id in good)
     error = client.get(bad).error
     assert error["type"] == "StepOutputNotSerializable"
     assert "step 'make_nul'" in error["message"] and "U+0000" in error["message"]
     assert client.get(failing).error["message"] == "bad\\x00message"
+    assert "NUL" in client.get(badly_named).error["message"]
     assert scalar(db, "select max(takeovers) from flowly.runs") == 0
     assert scalar(db, "select count(*) from public.test_effects") == 3 * len(good)
     with pytest.raises(ValueError, match=r"U\+0000"):
@@ -519,6 +526,37 @@ def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
     assert status == "dead_letter" and error["type"] == "PoisonRun"
     db.execute("select flowly.retry_dead_letter('poison')")
     assert scalar(db, "select takeovers from flowly.runs") == 0
+
+
+def test_a_flush_commits_its_checkpoints_and_completions_apart(
+    dsn: str, db: psycopg.Connection[Any],
+) -> None:
+    """One flush pipelines a checkpoint_steps and a complete_runs call; each must commit on
+    its own (one transaction would lock their runs out of id order and could deadlock with a
+    heartbeat). Seen here: the completion fails, the checkpoint still lands."""
+    db.execute("select flowly.start('quick', run_id => 'r' || i) from generate_series(1, 2) i")
+    epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim("
+                             "'w', array['quick'], array['default'], 2, '1 hour')").fetchall())
+
+    async def flush_both() -> list[Any]:
+        async with AsyncConnectionPool(dsn, kwargs={"autocommit": True}) as pool:
+            committer = GroupCommitter(pool, Calls())
+            # both queued before the flushers start, so they go in one flush
+            writes = [
+                asyncio.ensure_future(committer.checkpoint(
+                    "r1", epochs["r1"], "s", "1", datetime.now(UTC), False)),
+                asyncio.ensure_future(committer.complete("r2", epochs["r2"], "not json")),
+            ]
+            await asyncio.sleep(0)
+            committer.start()
+            results = await asyncio.gather(*writes, return_exceptions=True)
+            await committer.close()
+            return results
+
+    results = asyncio.run(flush_both())
+    assert all(isinstance(result, psycopg.DataError) for result in results), results
+    assert scalar(db, "select count(*) from flowly.steps where run_id = 'r1'") == 1
+    assert scalar(db, "select status from flowly.runs where id = 'r2'") == "running"
 
 
 def test_batch_writes_of_one_worker_do_not_deadlock(dsn: str, db: psycopg.Connection[Any]) -> None:

@@ -236,6 +236,12 @@ async def cancelled_inside(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("await_it", await_cancelled_future, retry=flowly.Retry(max_attempts=1))
 
 
+@flowly.workflow("nul_name")
+async def nul_name(ctx: flowly.Context, inp: Any) -> Any:
+    """A step named with a NUL character (say, from data the name was built from)."""
+    return await ctx.step("charge-\x00", lambda: 1)
+
+
 @flowly.workflow("poison")
 async def poison(ctx: flowly.Context, inp: Any) -> Any:
     """A step that raises SystemExit, which must fail the run and not the worker."""
