@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 
 from .db import TERMINAL, Calls, translated_errors
 from .errors import RunNotFound, RunTimeout
-from .workflow import Workflow, WorkflowFn, registered, start_params
+from .workflow import WorkflowFn, lookup, start_params
 
 
 @dataclass(frozen=True)
@@ -99,15 +99,6 @@ class StepAttempt:
 
 def _from_row(cls: type[Any], row: dict[str, Any]) -> Any:
     return cls(**{f.name: row[f.name] for f in fields(cls)})
-
-
-def _workflow_name(workflow: str | WorkflowFn) -> tuple[str, Workflow | None]:
-    if isinstance(workflow, str):
-        return workflow, registered().get(workflow)
-    for wf in registered().values():
-        if wf.fn is workflow:
-            return wf.name, wf
-    raise TypeError(f"{workflow!r} is not a registered workflow function")
 
 
 def _wait_statuses(status: str | Collection[str] | None) -> Collection[str]:
@@ -194,7 +185,7 @@ class Client:
         or timedelta). With ``conn``, the run is created in that connection's current
         transaction and is only visible to workers once the caller commits.
         """
-        name, defaults = _workflow_name(workflow)
+        name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
         return str(self._fetch(self.calls.start, params, conn)[0]["start"])
 
@@ -303,7 +294,7 @@ class AsyncClient:
         **options: Any,
     ) -> str:
         """See :meth:`Client.start`."""
-        name, defaults = _workflow_name(workflow)
+        name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
         return str((await self._fetch(self.calls.start, params, conn))[0]["start"])
 

@@ -21,6 +21,7 @@ import psycopg
 from .db import dumps, jsonb_safe_text
 from .errors import LeaseLost, StepOutputNotSerializable
 from .retry import Retry
+from .workflow import Workflow, WorkflowFn, lookup
 
 
 class Interrupt(BaseException):
@@ -83,7 +84,8 @@ class RunStore(Protocol):
     ) -> str: ...
 
     async def start_run(
-        self, workflow: str, input: Any, run_id: str, options: dict[str, Any]
+        self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
+        defaults: Workflow | None,
     ) -> str: ...
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
@@ -273,7 +275,7 @@ class Context:
 
     async def start(
         self,
-        workflow: str,
+        workflow: str | WorkflowFn,
         input: Any = None,
         run_id: str | None = None,
         **options: Any,
@@ -282,17 +284,24 @@ class Context:
 
         Without ``run_id`` the child's id is derived from this run's id, the workflow name and
         how many runs of that workflow this body started before, so a replay starts nothing
-        new. ``options`` are those of :meth:`flowly.Client.start` (queue, priority, ...).
+        new. ``workflow`` is a name or a decorated function; ``options`` are those of
+        :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
+        defaults when it is registered in this process.
         """
-        count = self._child_counts.get(workflow, 0) + 1
-        self._child_counts[workflow] = count
-        child_id = run_id or f"{self.run_id}:{workflow}:{count}"
-        return str(await self._fenced(self._store.start_run(workflow, input, child_id, options)))
+        name, defaults = lookup(workflow)
+        count = self._child_counts.get(name, 0) + 1
+        self._child_counts[name] = count
+        child_id = run_id or f"{self.run_id}:{name}:{count}"
+        return str(await self._fenced(
+            self._store.start_run(name, input, child_id, options, defaults)))
 
     async def _fenced(self, write: Awaitable[Any]) -> Any:
         try:
             return await write
         except LeaseLost as exc:
             raise LeaseLostInterrupt(str(exc)) from None
-        except (psycopg.Error, OSError) as exc:
+        except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as exc:
+            # the connection or server failed (or a deadlock victim): not this run's fault, so
+            # another try after the lease expires may well succeed; any other database error is
+            # about what the run asked for and fails it like an exception of its own
             raise RunAbandoned(f"run {self.run_id}: {exc}") from exc

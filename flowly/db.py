@@ -105,7 +105,8 @@ class Calls:
             "                           clock_timestamp() + %(delay)s::interval),"
             " concurrency_key => %(concurrency_key)s,"
             " max_attempts => %(max_attempts)s, timeout => %(timeout)s,"
-            " parent_run_id => %(parent_run_id)s)"
+            " parent_run_id => %(parent_run_id)s,"
+            " parent_lease_epoch => %(parent_lease_epoch)s)"
         )
         self.cancel = q("select {s}.cancel(%s)")
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")

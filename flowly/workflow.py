@@ -53,6 +53,17 @@ def registered() -> Mapping[str, Workflow]:
     return dict(_registry)
 
 
+def lookup(workflow: str | WorkflowFn) -> tuple[str, Workflow | None]:
+    """The name of a workflow given by name or by its decorated function, and its
+    registration in this process (whose queue and max_attempts are the defaults of a start)."""
+    if isinstance(workflow, str):
+        return workflow, registered().get(workflow)
+    for wf in registered().values():
+        if wf.fn is workflow:
+            return wf.name, wf
+    raise TypeError(f"{workflow!r} is not a registered workflow function")
+
+
 def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | None) -> dict[str, Workflow]:
     """Turn names, :class:`Workflow` objects or decorated functions into a name map.
 
@@ -109,6 +120,7 @@ def start_params(
             options, "max_attempts", defaults.max_attempts if defaults else 3)),
         "timeout": _interval(workflow, "timeout", options.get("timeout")),
         "parent_run_id": None,
+        "parent_lease_epoch": None,
     }
 
 

@@ -507,6 +507,53 @@ def test_a_cancelled_worker_releases_its_runs(dsn: str, client: flowly.Client,
     assert run_id in workflows.CANCELLED
 
 
+def test_a_child_run_gets_its_workflows_defaults_and_a_fenced_parent(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+) -> None:
+    parent = client.start("mailing", None)
+    with running_worker(dsn):
+        child_id = client.wait(parent, timeout=20).output
+    child = client.get(child_id)
+    assert (child.workflow, child.queue, child.max_attempts) == ("emailer", "emails", 7)
+    assert scalar(db, "select parent_run_id from flowly.runs where id = %s", child_id) == parent
+    # a parent's stale lease epoch starts nothing
+    db.execute("select flowly.start('quick', run_id => 'p')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '1 hour')")
+    with pytest.raises(psycopg.Error) as refused:
+        db.execute("select flowly.start('quick', run_id => 'orphan', parent_run_id => 'p',"
+                   " parent_lease_epoch => %s)", (epoch - 1,))
+    assert refused.value.sqlstate == "WF001"
+    assert scalar(db, "select count(*) from flowly.runs where id = 'orphan'") == 0
+
+
+def test_a_database_error_about_the_run_fails_it_rather_than_abandoning_it(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+) -> None:
+    run_id = client.start("bad_sleep", None, max_attempts=1)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "dead_letter" and "out of range" in run.error["message"]
+    assert scalar(db, "select takeovers from flowly.runs") == 0
+
+
+def test_a_worker_that_takes_its_own_run_over_stops_the_old_execution(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+) -> None:
+    """Heartbeats fail past the lease (here: blocked on the worker's row); the worker's own
+    claim takes the expired run over and must cancel the execution it already had."""
+    with running_worker(dsn, lease=1.5) as worker, psycopg.connect(dsn) as blocker:
+        wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), what="registered")
+        run_id = client.start("slow", {"seconds": 4})
+        wait_for(lambda: scalar(db, "select lease_epoch = 1 from flowly.runs"), what="claimed")
+        blocker.execute("select from flowly.workers where id = %s for update", (worker.worker_id,))
+        wait_for(lambda: scalar(db, "select lease_epoch = 2 from flowly.runs"), timeout=10,
+                 what="taken over")
+        wait_for(lambda: run_id in workflows.CANCELLED, timeout=1, what="old execution stopped")
+        blocker.commit()
+        assert client.wait(run_id, timeout=20).status == "completed"
+
+
 def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
     db: psycopg.Connection[Any],
 ) -> None:

@@ -242,6 +242,24 @@ async def nul_name(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("charge-\x00", lambda: 1)
 
 
+@flowly.workflow("emailer", queue="emails", max_attempts=7)
+async def emailer(ctx: flowly.Context, inp: Any) -> Any:
+    """A workflow with its own queue and attempts, started as a child by ``mailing``."""
+    return inp
+
+
+@flowly.workflow("mailing")
+async def mailing(ctx: flowly.Context, inp: Any) -> str:
+    """Starts an ``emailer`` child, given by its function."""
+    return await ctx.start(emailer, {"to": "someone"})
+
+
+@flowly.workflow("bad_sleep")
+async def bad_sleep(ctx: flowly.Context, inp: Any) -> None:
+    """A sleep the database cannot represent: the run fails, it is not abandoned."""
+    await ctx.sleep("forever", 1e300)
+
+
 @flowly.workflow("poison")
 async def poison(ctx: flowly.Context, inp: Any) -> Any:
     """A step that raises SystemExit, which must fail the run and not the worker."""

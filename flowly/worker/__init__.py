@@ -107,10 +107,12 @@ class _RunStore:
         return str(row[0])
 
     async def start_run(
-        self, workflow: str, input: Any, run_id: str, options: dict[str, Any]
+        self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
+        defaults: Workflow | None,
     ) -> str:
-        params = start_params(workflow, input, run_id, options)
+        params = start_params(workflow, input, run_id, options, defaults)
         params["parent_run_id"] = self._held.run_id
+        params["parent_lease_epoch"] = self._held.epoch
         row = await self._worker._call_one(self._worker._calls.start, params)
         return str(row[0])
 
@@ -262,6 +264,13 @@ class Worker:
              timedelta(seconds=self.lease)),
         )
         for run_id, workflow, status, input, attempt, epoch, steps, timers in rows:
+            stale = self._held.get(run_id)
+            if stale is not None and stale.task is not None:
+                # our own run, whose lease expired while its heartbeats failed (a database
+                # outage longer than the lease): the old execution is fenced off, stop it
+                logger.warning("run %s taken over from ourselves: cancelling the old execution",
+                               run_id)
+                stale.task.cancel()
             held = _Held(run_id, epoch)
             self._held[run_id] = held
             held.task = asyncio.create_task(

@@ -168,7 +168,8 @@ $$;
 -- Enqueues a run and returns its id. Idempotent: an existing run id returns that run, and a
 -- concurrency key that already has a live run returns the live run, never a duplicate and
 -- never an error, so it is safe inside triggers and application transactions (it commits or
--- rolls back with them). Wakes idle workers with NOTIFY at commit.
+-- rolls back with them). Wakes idle workers with NOTIFY at commit. A workflow starting a
+-- child passes its own lease epoch, so a worker that lost the parent starts nothing more.
 create function start(
     workflow text,
     input jsonb default 'null',
@@ -179,7 +180,8 @@ create function start(
     concurrency_key text default null,
     max_attempts integer default 3,
     timeout interval default null,
-    parent_run_id text default null
+    parent_run_id text default null,
+    parent_lease_epoch bigint default null
 ) returns text
 language plpgsql
 set search_path from current
@@ -201,6 +203,10 @@ begin
     end if;
     if start.timeout is not null and start.timeout <= interval '0' then
         raise exception 'timeout must be positive, got %', start.timeout using errcode = 'WF003';
+    end if;
+    if start.parent_lease_epoch is not null then
+        perform lock_held_run(start.parent_run_id, start.parent_lease_epoch,
+                              array['running', 'compensating']);
     end if;
     -- a concurrency-key winner may finish between our insert and our look-up: then try again
     for v_try in 1..3 loop
