@@ -575,6 +575,20 @@ def test_a_run_whose_workers_keep_dying_is_dead_lettered_as_poison(
     assert scalar(db, "select takeovers from flowly.runs") == 0
 
 
+def test_a_checkpoint_restarts_the_takeover_count(db: psycopg.Connection[Any]) -> None:
+    """Poison means takeovers in a row with no progress: a long run that outlives a few
+    unrelated worker crashes, checkpointing in between, never reaches the limit."""
+    db.execute("select flowly.start('quick', run_id => 'long')")
+    claim = ("select lease_epoch from flowly.claim('w', array['quick'], array['default'], 1,"
+             " '1 millisecond')")
+    for step in range(2 * scalar(db, "select flowly.max_takeovers()")):
+        time.sleep(0.005)
+        epoch = scalar(db, claim)
+        assert epoch is not None, f"dead-lettered after {step} takeovers with progress"
+        db.execute("select flowly.checkpoint('long', %s, %s, '1')", (epoch, f"step-{step}"))
+    assert db.execute("select status, takeovers from flowly.runs").fetchone() == ("running", 0)
+
+
 def test_a_flush_commits_its_checkpoints_and_completions_apart(
     dsn: str, db: psycopg.Connection[Any],
 ) -> None:

@@ -252,7 +252,7 @@ $$;
 -- Moves to dead_letter the unfinished runs that must not go on, held or not (the epoch bump
 -- fences a worker still running one; it learns at its next heartbeat or write): runs past
 -- their overall timeout, and poison runs, whose lease expired again after max_takeovers()
--- takeovers. A run already compensating is exempt from its timeout (its saga finishes); one
+-- takeovers with no new checkpoint in between. A run already compensating is exempt from its timeout (its saga finishes); one
 -- cut short as poison records compensation_ok = false. Called by claim and heartbeat, so
 -- neither needs a sweeper process.
 create function dead_letter_stalled_runs() returns void
@@ -486,6 +486,11 @@ begin
             order by v.ord
             on conflict do nothing
             returning s.run_id, s.name, s.output, s.seq
+        ), progressed as (
+            -- a new checkpoint is progress: only takeovers in a row without one mark a poison run
+            update runs r set takeovers = 0
+            from (select distinct n.run_id from inserted n) n
+            where r.id = n.run_id and r.takeovers > 0
         )
         select i.run_id, i.name, v.ord is null as lease_lost,
                case when n.run_id is not null then n.output else stored.output end as output,
