@@ -252,9 +252,9 @@ $$;
 -- Moves to dead_letter the unfinished runs that must not go on, held or not (the epoch bump
 -- fences a worker still running one; it learns at its next heartbeat or write): runs past
 -- their overall timeout, and poison runs, whose lease expired again after max_takeovers()
--- takeovers with no new checkpoint in between. A run already compensating is exempt from its timeout (its saga finishes); one
--- cut short as poison records compensation_ok = false. Called by claim and heartbeat, so
--- neither needs a sweeper process.
+-- takeovers with no new checkpoint in between. A run already compensating is exempt from its
+-- timeout (its saga finishes); one cut short as poison records compensation_ok = false.
+-- Called by claim and heartbeat, so neither needs a sweeper process.
 create function dead_letter_stalled_runs() returns void
 language plpgsql
 set search_path from current
@@ -467,8 +467,11 @@ begin
             from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
                 with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
         ), fenced as (
+            -- the runs still held at the given epochs (a stale item locks nothing, so it can
+            -- hold up no one), re-checked on the row version the lock gets
             select r.id, r.lease_epoch, r.generation from runs r
             where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
+              and (r.id, r.lease_epoch) in (select i.run_id, i.epoch from items i)
             order by r.id
             for share of r
         ), valid as (
@@ -556,7 +559,10 @@ begin
         select i.id, i.epoch, i.output, i.ord
         from unnest(p_run_ids, p_epochs, p_outputs) with ordinality as i (id, epoch, output, ord)
     ), locked as (
-        select r.id from runs r where r.id = any(p_run_ids) order by r.id for no key update
+        select r.id from runs r
+        where r.id = any(p_run_ids) and (r.id, r.lease_epoch) in (select i.id, i.epoch from items i)
+        order by r.id
+        for no key update
     ), done as (
         update runs r
         set status = 'completed', output = i.output, error = null, finished_at = now(),
