@@ -14,10 +14,11 @@
 -- Lock order: functions that touch a run and its steps/timers lock the runs row first (the
 -- fence check is an update, or a select ... for update / for share, on runs), then write the
 -- child rows. Batch forms (heartbeat, checkpoint_steps, complete_runs, release) lock their runs
--- rows in id order (order by id ... for share / for update, whose rows are locked after the
--- sort): an update's own plan would lock them in physical order, which row updates keep
--- changing, and two batches sharing runs (one worker's heartbeat and its group commit) would
--- deadlock. dead_letter_stalled_runs and claim take rows with skip locked, so they never wait.
+-- rows in id order (order by id ... for update / for no key update, whose rows are locked
+-- after the sort): an update's own plan would lock them in physical order, which row updates
+-- keep changing, and two batches sharing runs (one worker's heartbeat and its group commit)
+-- would deadlock. dead_letter_stalled_runs and claim take rows with skip locked, so they never
+-- wait.
 
 create table runs (
     id text primary key,
@@ -443,7 +444,7 @@ create sequence step_seq;
 
 -- Stores the outputs of completed steps of many runs in one statement (the worker
 -- group-commits concurrent runs' steps). Each item is fenced on its own: the run row is
--- share-locked while its epoch is checked, so a takeover cannot slip in between; a stale item
+-- locked while its epoch is checked, so a takeover cannot slip in between; a stale item
 -- writes nothing and comes back with lease_lost, the others go through. A step already
 -- checkpointed keeps its first output (on conflict do nothing) and that stored output is
 -- returned, so a racing duplicate continues with the value every replay will see. Rows come
@@ -467,13 +468,12 @@ begin
             from unnest(p_run_ids, p_epochs, p_names, p_outputs, p_started_at, p_compensable)
                 with ordinality as i (run_id, epoch, name, output, started_at, compensable, ord)
         ), fenced as (
-            -- the runs still held at the given epochs (a stale item locks nothing, so it can
-            -- hold up no one), re-checked on the row version the lock gets
+            -- locked for update, not share: progressed below updates some of them, and a
+            -- lock upgrade could meet another writer's share lock in a cycle
             select r.id, r.lease_epoch, r.generation from runs r
             where r.id = any(p_run_ids) and r.status in ('running', 'compensating')
-              and (r.id, r.lease_epoch) in (select i.run_id, i.epoch from items i)
             order by r.id
-            for share of r
+            for no key update of r
         ), valid as (
             select i.*, f.generation from items i
             join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
@@ -560,7 +560,7 @@ begin
         from unnest(p_run_ids, p_epochs, p_outputs) with ordinality as i (id, epoch, output, ord)
     ), locked as (
         select r.id from runs r
-        where r.id = any(p_run_ids) and (r.id, r.lease_epoch) in (select i.id, i.epoch from items i)
+        where r.id = any(p_run_ids)
         order by r.id
         for no key update
     ), done as (
