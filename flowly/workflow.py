@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -141,10 +140,8 @@ def _interval(workflow: str, name: str, value: float | timedelta | None) -> time
     if not isinstance(value, (int, float)):
         return value
     try:
-        if not math.isfinite(value):
-            raise OverflowError
         return timedelta(seconds=value)
-    except OverflowError:
+    except (OverflowError, ValueError):  # infinities and huge values overflow, NaN is a ValueError
         raise InvalidArgument(
             f"{name} of a {workflow!r} run must be a finite number of seconds that fits an"
             f" interval, got {value}") from None
