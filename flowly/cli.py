@@ -6,7 +6,8 @@ views, so what it prints is what SQL shows. Mistakes a user can make (bad JSON, 
 an unreachable database, a schema name Postgres cannot use) end with one ``error: ...`` line on
 stderr and a non-zero status, never a traceback: 2 for a bad invocation, 1 for an operation
 that failed. ``--json`` switches the commands that report (all but ``worker`` and ``demo``) to
-machine-readable output on stdout.
+machine-readable output on stdout, and every error to one JSON object on stderr
+(``{"error": "...", "exit_code": N}``). Run ids may be given by a unique prefix.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from . import __version__
 from .client import Client, Run
@@ -40,6 +43,7 @@ from .errors import (
     UnknownWorkflow,
 )
 from .render import (
+    error_message,
     format_age,
     format_time,
     load_run,
@@ -78,8 +82,15 @@ def _print_json(value: Any) -> None:
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    """``install`` / ``migrate``: apply missing migrations, report what was applied."""
-    from .schema import install, installed_versions, migrations
+    """``install`` / ``migrate``: apply missing migrations, report what was applied.
+
+    ``install --print-sql`` writes the install script for psql instead, touching no database.
+    """
+    from .schema import install, install_script, installed_versions, migrations
+
+    if getattr(args, "print_sql", False):
+        sys.stdout.write(install_script(None if args.schema == DEFAULT_SCHEMA else args.schema))
+        return EXIT_OK
 
     names = {m.version: m.name for m in migrations()}
     target: int | None = getattr(args, "target", None)
@@ -104,6 +115,17 @@ def cmd_install(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sql_path(args: argparse.Namespace) -> int:
+    """``sql-path``: where ``install.sql`` is (``psql -f "$(flowly sql-path)/install.sql"``)."""
+    from .schema import sql_path
+
+    if args.json:
+        _print_json({"sql_path": sql_path()})
+    else:
+        print(sql_path())
+    return EXIT_OK
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's options, shared with ``flowly worker``."""
     parser.add_argument("--app", required=True, metavar="MODULE[:ATTR]",
@@ -120,15 +142,51 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="database connections besides the listener (4)")
 
 
+def _module_hint(spec: str) -> str | None:
+    """``mywf`` for ``--app mywf.py`` (or ``pkg.mywf`` for ``pkg/mywf.py``): a file name where a
+    module name belongs."""
+    module_name, colon, attr = spec.partition(":")
+    if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
+        return None
+    path = os.path.normpath(module_name)
+    if path.endswith(".py"):
+        path = path[:-3]
+    parts = [p for p in path.split(os.sep) if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return ".".join(parts) + colon + attr
+
+
+def _import_failure(spec: str, exc: BaseException) -> str:
+    """One line for an exception raised while importing the --app module: what and where."""
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else f"line {exc.lineno}"
+        return f"--app {spec}: {type(exc).__name__} in {where}: {exc.msg}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename] or frames
+    where = f" ({user[-1].filename}, line {user[-1].lineno})" if user else ""
+    return f"--app {spec}: importing it raised {type(exc).__name__}: {exc}{where}"
+
+
 def load_app(spec: str) -> Any:
     """Import ``module[:attr]`` and return ``attr`` (None when not given)."""
     module_name, _, attr = spec.partition(":")
+    hint = _module_hint(spec)
+    if hint is not None:
+        raise CliError(f"--app {spec}: --app takes a module name, not a file name; did you mean"
+                       f" --app {hint}? (run it from the folder the module is imported from)",
+                       EXIT_USAGE)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name is not None and not (
+                module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise CliError(_import_failure(spec, exc), EXIT_USAGE) from None
         raise CliError(f"--app {spec}: cannot import {module_name!r}: {exc}", EXIT_USAGE) from None
+    except Exception as exc:  # the user's module failed while it ran: name what and where
+        raise CliError(_import_failure(spec, exc), EXIT_USAGE) from None
     if not attr:
         return None
     try:
@@ -181,13 +239,6 @@ def _parse_input(text: str | None) -> Any:
         raise CliError(f"{source} is not valid JSON: {exc}", EXIT_USAGE) from None
 
 
-def _warn_if_unserved(client: Client, workflow: str, queue: str) -> None:
-    """Tell the user when no live worker serves the run's workflow and queue (yet)."""
-    if not client.is_served(workflow, queue):
-        print(f"note: no live worker serves workflow {workflow!r} on queue {queue!r} right now;"
-              " the run waits until one does", file=sys.stderr)
-
-
 def cmd_start(args: argparse.Namespace) -> int:
     """``start``: enqueue a run (idempotent on --run-id) and print its id."""
     payload = _parse_input(args.input)
@@ -204,6 +255,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             "concurrency_key": args.concurrency_key, "max_attempts": args.max_attempts,
             "timeout": args.timeout, "delay": args.delay or None,
         }
+        # Client.start logs a warning (shown on stderr) when no live worker serves the run
         run_id = client.start(args.workflow, payload, run_id=args.run_id,
                               **{k: v for k, v in options.items() if v is not None})
         run = client.get(run_id)
@@ -211,8 +263,6 @@ def cmd_start(args: argparse.Namespace) -> int:
             _print_json(dataclasses.asdict(run))
         else:
             print(run_id)
-            if not run.done:
-                _warn_if_unserved(client, run.workflow, run.queue)
     return EXIT_OK
 
 
@@ -257,32 +307,60 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return EXIT_OK
     now = datetime.now(UTC)
     print(table(
-        ["ID", "WORKFLOW", "STATUS", "ATTEMPT", "CREATED", "FINISHED/AGE"],
+        ["ID", "WORKFLOW", "STATUS", "ATTEMPT", "CREATED", "FINISHED/AGE", "ERROR"],
         [
             [r.id, r.workflow, r.status, r.attempt, format_time(r.created_at),
              format_time(r.finished_at) if r.finished_at
-             else f"age {format_age(now - r.created_at)}"]
+             else f"age {format_age(now - r.created_at)}",
+             shorten(error_message(r.error), 60)]
             for r in runs
         ],
     ))
     return EXIT_OK
 
 
+def resolve_run_id(client: Client, given: str) -> str:
+    """The run ``given`` names: its exact id, else the one run whose id starts with it.
+
+    An ambiguous prefix is a usage error listing the candidates; no match is RunNotFound.
+    """
+    query = sql.SQL(
+        "(select id from {s}.runs where id = %(id)s)"
+        " union all (select id from {s}.runs where starts_with(id, %(id)s) and id <> %(id)s"
+        " order by id limit 11)").format(s=sql.Identifier(args_schema(client)))
+    ids = [str(row["id"]) for row in client._fetch(query, {"id": given})]
+    if not ids:
+        raise RunNotFound(f"run {given} not found")
+    if ids[0] == given or len(ids) == 1:
+        return ids[0]
+    shown = ", ".join(ids[:10]) + (", ..." if len(ids) > 10 else "")
+    raise CliError(f"run id prefix {given!r} is ambiguous: it matches {shown}", EXIT_USAGE)
+
+
+def args_schema(client: Client) -> str:
+    return client.calls.schema
+
+
+def _resolved(args: argparse.Namespace, client: Client) -> str:
+    args.run_id = resolve_run_id(client, args.run_id)
+    return str(args.run_id)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    """``show``: one run with its step timeline and timers."""
+    """``show``: one run with its step timeline and timers (``--full``: nothing shortened)."""
     with _client(args) as client:
-        detail = load_run(client, args.run_id)
+        detail = load_run(client, _resolved(args, client))
     if args.json:
         _print_json(detail.as_json())
     else:
-        print(render_run(detail))
+        print(render_run(detail, full=args.full))
     return EXIT_OK
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
     """``retry``: restart a dead-lettered run from its last good checkpoint."""
     with _client(args) as client:
-        client.retry_dead_letter(args.run_id)
+        client.retry_dead_letter(_resolved(args, client))
         run = client.get(args.run_id)
     if args.json:
         _print_json(dataclasses.asdict(run))
@@ -294,7 +372,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``cancel``: stop an unfinished run (no compensation runs)."""
     with _client(args) as client:
-        before = client.get(args.run_id)
+        before = client.get(_resolved(args, client))
         if before.done and before.status != "cancelled":
             raise CliError(f"run {before.id} is already {before.status}; it cannot be cancelled")
         status = client.cancel(args.run_id)
@@ -330,7 +408,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         ["ID", "WORKFLOW", "FAILED_STEP", "LAST_ERROR", "COMPENSATION_OK", "FINISHED"],
         [
             [run.id, run.workflow, _error_field(run, "step") or "-",
-             shorten(_error_field(run, "message") or "-", 50),
+             shorten(_error_field(run, "message") or "-", 60),
              "-" if run.compensation_ok is None else str(run.compensation_ok).lower(),
              format_time(run.finished_at)]
             for run in runs
@@ -354,6 +432,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -----------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors end like every other error (one line, or JSON)."""
+
+    def error(self, message: str) -> Any:  # argparse's contract: never returns
+        raise CliError(f"{self.prog}: {message}", EXIT_USAGE)
+
+
 def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every command takes, before or after its name.
 
@@ -374,11 +459,11 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flowly`` argument parser with every sub-command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flowly", description="Durable workflows in PostgreSQL: install, run, inspect.")
     _add_global_options(parser, suppress=False)
     parser.add_argument("--version", action="version", version=f"flowly {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     _add_global_options(common, suppress=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -388,7 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    add("install", cmd_install, "create or upgrade the flowly schema (idempotent)")
+    install = add("install", cmd_install, "create or upgrade the flowly schema (idempotent)")
+    install.add_argument("--print-sql", action="store_true",
+                         help="write the install script to stdout for psql, touch no database"
+                              " (flowly install --print-sql | psql)")
+    sql_path = add("sql-path", cmd_sql_path,
+                   "print the folder holding install.sql and the migrations, for psql -f")
+    sql_path.set_defaults(needs_database=False)
     migrate = add("migrate", cmd_install, "apply missing migrations (same as install)")
     migrate.add_argument("--target", type=int, metavar="N",
                          help="stop after migration N (default: the newest)")
@@ -420,11 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--limit", type=int, default=50, help="at most this many (50)")
 
     show = add("show", cmd_show, "show a run with its step timeline and timers")
-    show.add_argument("run_id", metavar="RUN_ID")
+    show.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    show.add_argument("--full", action="store_true",
+                      help="input, output and errors untruncated, with their tracebacks")
     retry = add("retry", cmd_retry, "restart a dead-lettered run from its last checkpoint")
-    retry.add_argument("run_id", metavar="RUN_ID")
+    retry.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
     cancel = add("cancel", cmd_cancel, "cancel an unfinished run")
-    cancel.add_argument("run_id", metavar="RUN_ID")
+    cancel.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
     dead = add("dead-letters", cmd_dead_letters, "list dead-lettered runs")
     dead.add_argument("--workflow")
     dead.add_argument("--limit", type=int, default=50, help="at most this many (50)")
@@ -457,7 +550,8 @@ def _resolve_database(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        _resolve_database(args)
+        if getattr(args, "needs_database", True) and not getattr(args, "print_sql", False):
+            _resolve_database(args)
         return handler(args)
     except RunNotFound as exc:
         run_id = getattr(args, "run_id", None)
@@ -484,16 +578,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # platformdirs (used by pgserver) warns when XDG_RUNTIME_DIR is unset; it is harmless
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    # known before parsing, so that a usage error is JSON too; "--" ends the options
+    json_errors = "--json" in arguments[:arguments.index("--")] if "--" in arguments \
+        else "--json" in arguments
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
     try:
+        args = parser.parse_args(arguments)
+        if not getattr(args, "handler", None):
+            if json_errors:
+                raise CliError("flowly: a COMMAND is required", EXIT_USAGE)
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
         return _run(args)
     except CliError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        _print_error(one_line(str(exc)), exc.code, json_errors)
         return exc.code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _print_error("interrupted", 130, json_errors)
         return 130
+
+
+def _print_error(message: str, code: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False),
+              file=sys.stderr)
+    else:
+        print(message if code == 130 else f"error: {message}", file=sys.stderr)

@@ -8,6 +8,8 @@ and so commits or rolls back with the caller's transaction.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, fields
@@ -15,11 +17,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
-from .db import TERMINAL, Calls, translated_errors
-from .errors import RunNotFound, RunTimeout
+from .db import TERMINAL, Calls, check_schema_name, translated_errors
+from .errors import InvalidArgument, RunNotFound, RunTimeout
 from .workflow import WorkflowFn, lookup, start_params
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,9 @@ class Step:
     compensation_status: str | None
     compensation_error: Any
     compensated_at: datetime | None
+    # where the body reached it ('step', or 'start' for the record of a child run it started)
+    position: int | None = None
+    kind: str = "step"
 
     @property
     def duration(self) -> timedelta:
@@ -125,11 +133,84 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
         pause = min(pause * 2, _POLL_MAX)
 
 
-def _next_pause(pauses: Iterator[float], run: Run, timeout: float | None) -> float:
-    pause = next(pauses, None)
-    if pause is None:
-        raise RunTimeout(f"run {run.id} is still {run.status} after {timeout}s")
-    return pause
+def _timeout_message(run: Run, timeout: float | None, served: bool | None) -> str:
+    message = f"run {run.id} is still {run.status} after {timeout}s"
+    if served is False:
+        message += (f": no live worker serves workflow {run.workflow!r} on queue {run.queue!r}"
+                    " (start a worker with --app for it, or check its --queue)")
+    return message
+
+
+def _unserved_note(run_id: str, workflow: str, queue: str) -> None:
+    logger.warning("run %s: no live worker serves workflow %r on queue %r right now; the run"
+                   " waits until one does", run_id, workflow, queue)
+
+
+# -- list_runs: its since= forms and a query with only the filters given ----------------------
+
+_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+Since = datetime | timedelta | str
+
+
+def parse_since(since: Since) -> datetime | timedelta:
+    """``since`` as a point in time or an age: a datetime (local time when naive), a
+    timedelta, or text: an age like ``10m``, ``2h``, ``1d`` (units s, m, h, d, w) or an ISO
+    8601 time. Raises :class:`InvalidArgument` for anything else."""
+    if isinstance(since, timedelta):
+        return since
+    if isinstance(since, datetime):
+        return since if since.tzinfo is not None else since.astimezone()
+    if not isinstance(since, str):
+        raise InvalidArgument(f"since: expected a datetime, a timedelta or text like 10m,"
+                              f" got {type(since).__name__}")
+    text = since.strip()
+    match = _AGE.fullmatch(text)
+    if match:
+        try:
+            return timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
+        except OverflowError:
+            raise InvalidArgument(f"since: {since!r} is too long ago") from None
+    try:
+        return parse_since(datetime.fromisoformat(text))
+    except ValueError:
+        raise InvalidArgument(f"since: expected an age like 10m, 2h, 1d or an ISO time,"
+                              f" got {since!r}") from None
+
+
+def list_runs_query(
+    schema: str, *, status: str | None = None, workflow: str | None = None,
+    since: Since | None = None, limit: int = 100,
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """The ``list_runs`` select with a condition for each filter given and none for the others,
+    so the planner can use the indexes on ``runs`` (a ``%s is null or ...`` pattern cannot)."""
+    conditions: list[sql.Composable] = []
+    params: dict[str, Any] = {"limit": limit}
+    if status is not None:
+        conditions.append(sql.SQL("status = %(status)s"))
+        params["status"] = status
+    if workflow is not None:
+        conditions.append(sql.SQL("workflow = %(workflow)s"))
+        params["workflow"] = workflow
+    if since is not None:
+        point = parse_since(since)
+        params["since"] = point
+        conditions.append(sql.SQL(  # an age counts on the database's clock, like delay=
+            "created_at >= now() - %(since)s::interval" if isinstance(point, timedelta)
+            else "created_at >= %(since)s::timestamptz"))
+    where = sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL("")
+    query = sql.SQL("select * from {}.runs{} order by created_at desc, id limit %(limit)s").format(
+        sql.Identifier(check_schema_name(schema)), where)
+    return query, params
+
+
+def _start_and_served(calls: Calls) -> sql.Composed:
+    """``start`` and, in the same round trip, whether a live worker serves the run."""
+    return calls.start + sql.SQL(
+        ", exists (select from {}.workers w where w.last_seen_at + w.lease > now()"
+        " and %(workflow)s = any(w.workflows) and %(queue)s = any(w.queues)) as served"
+    ).format(sql.Identifier(calls.schema))
 
 
 class Client:
@@ -187,7 +268,10 @@ class Client:
         """
         name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
-        return str(self._fetch(self.calls.start, params, conn)[0]["start"])
+        row = self._fetch(_start_and_served(self.calls), params, conn)[0]
+        if not row["served"]:
+            _unserved_note(row["start"], name, params["queue"])
+        return str(row["start"])
 
     def get(self, run_id: str) -> Run:
         """The run with this id; :class:`RunNotFound` if there is none."""
@@ -227,7 +311,12 @@ class Client:
             run = self.get(run_id)
             if run.status in wanted:
                 return run
-            time.sleep(_next_pause(pauses, run, timeout))
+            pause = next(pauses, None)
+            if pause is None:
+                served = self.is_served(run.workflow, run.queue) if run.status == "pending" \
+                    else None
+                raise RunTimeout(_timeout_message(run, timeout, served))
+            time.sleep(pause)
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
@@ -239,11 +328,16 @@ class Client:
 
     def list_runs(
         self, *, status: str | None = None, workflow: str | None = None,
-        since: datetime | None = None, limit: int = 100,
+        since: Since | None = None, limit: int = 100,
     ) -> list[Run]:
-        """Runs, newest first, filtered by status, workflow and creation time."""
-        params = {"status": status, "workflow": workflow, "since": since, "limit": limit}
-        return [_from_row(Run, row) for row in self._fetch(self.calls.list_runs, params)]
+        """Runs, newest first, filtered by status, workflow and creation time.
+
+        ``since``: a datetime, a timedelta (created within that age), or text: an age like
+        ``10m``, ``2h``, ``1d`` or an ISO 8601 time.
+        """
+        query, params = list_runs_query(self.calls.schema, status=status, workflow=workflow,
+                                        since=since, limit=limit)
+        return [_from_row(Run, row) for row in self._fetch(query, params)]
 
     def dead_letters(self, *, workflow: str | None = None, limit: int = 100) -> list[Run]:
         """Runs in ``dead_letter``, newest first."""
@@ -296,7 +390,10 @@ class AsyncClient:
         """See :meth:`Client.start`."""
         name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
-        return str((await self._fetch(self.calls.start, params, conn))[0]["start"])
+        row = (await self._fetch(_start_and_served(self.calls), params, conn))[0]
+        if not row["served"]:
+            _unserved_note(row["start"], name, params["queue"])
+        return str(row["start"])
 
     async def get(self, run_id: str) -> Run:
         """See :meth:`Client.get`."""
@@ -333,7 +430,12 @@ class AsyncClient:
             run = await self.get(run_id)
             if run.status in wanted:
                 return run
-            await asyncio.sleep(_next_pause(pauses, run, timeout))
+            pause = next(pauses, None)
+            if pause is None:
+                served = (await self.is_served(run.workflow, run.queue)
+                          if run.status == "pending" else None)
+                raise RunTimeout(_timeout_message(run, timeout, served))
+            await asyncio.sleep(pause)
 
     async def cancel(self, run_id: str) -> str:
         """See :meth:`Client.cancel`."""
@@ -346,15 +448,17 @@ class AsyncClient:
 
     async def list_runs(
         self, *, status: str | None = None, workflow: str | None = None,
-        since: datetime | None = None, limit: int = 100,
+        since: Since | None = None, limit: int = 100,
     ) -> list[Run]:
         """See :meth:`Client.list_runs`."""
-        params = {"status": status, "workflow": workflow, "since": since, "limit": limit}
-        return [_from_row(Run, r) for r in await self._fetch(self.calls.list_runs, params)]
+        query, params = list_runs_query(self.calls.schema, status=status, workflow=workflow,
+                                        since=since, limit=limit)
+        return [_from_row(Run, r) for r in await self._fetch(query, params)]
 
     async def dead_letters(self, *, workflow: str | None = None, limit: int = 100) -> list[Run]:
         """See :meth:`Client.dead_letters`."""
         return await self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
 
 
-__all__ = ["AsyncClient", "Client", "Run", "Step", "StepAttempt", "Timer"]
+__all__ = ["AsyncClient", "Client", "Run", "Step", "StepAttempt", "Timer", "list_runs_query",
+           "parse_since"]

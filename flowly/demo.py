@@ -1,7 +1,8 @@
 """``flowly demo``: kill a worker in the middle of a workflow and watch the run finish anyway.
 
 Everything runs for real: worker subprocesses (``python -m flowly.worker --app
-examples.order``) against the configured database (or the embedded PostgreSQL). The demo
+flowly.examples.order``, the workflow shipped in the package, so no checkout is needed) against
+the configured database (or the embedded PostgreSQL). The demo
 
 1. installs the schema and starts worker A;
 2. starts an ``order`` run and waits until ``reserve_inventory`` is checkpointed, the durable
@@ -37,11 +38,15 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .client import Client, Step
 from .db import DEFAULT_SCHEMA
+from .examples import order as order_module
 from .render import RunDetail, format_time, load_run, quote_ident, quote_literal, render_run
 from .schema import install_dsn, migrations
 
 DEMO_QUEUE = "flowly-demo"
 """The queue the demo's runs and workers use, apart from any other deployment's."""
+
+APP = "flowly.examples.order"
+"""The workers' ``--app``: the order workflow shipped in the package, so no checkout is needed."""
 
 LEASE_SECONDS = 2.0
 """The demo workers' lease: how long a killed worker's run stays held before a takeover."""
@@ -51,15 +56,6 @@ T = TypeVar("T")
 
 class DemoFailed(Exception):
     """Something the demo expected did not happen; the message says what."""
-
-
-def find_examples_root() -> Path | None:
-    """The directory holding ``examples/order.py``: the source checkout, else the cwd or up."""
-    package_root = Path(__file__).resolve().parent.parent
-    for root in (package_root, Path.cwd(), *Path.cwd().parents):
-        if (root / "examples" / "order.py").is_file():
-            return root
-    return None
 
 
 def redacted(dsn: str) -> str:
@@ -79,22 +75,20 @@ def _indent(text: str, prefix: str = "    ") -> str:
 
 
 class _Worker:
-    """A ``python -m flowly.worker --app examples.order`` child, logging to a file."""
+    """A ``python -m flowly.worker --app flowly.examples.order`` child, logging to a file."""
 
-    def __init__(self, label: str, root: Path, dsn: str, schema: str, log_dir: Path) -> None:
+    def __init__(self, label: str, dsn: str, schema: str, log_dir: Path) -> None:
         self.label = label
         self.log_path = log_dir / f"worker-{label}.log"
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         env["FLOWLY_DSN"] = dsn  # not on the command line, where ps would show its password
         command = [
-            sys.executable, "-m", "flowly.worker", "--app", "examples.order",
+            sys.executable, "-m", "flowly.worker", "--app", APP,
             "--schema", schema, "--queue", DEMO_QUEUE,
             "--lease", str(LEASE_SECONDS), "--poll-interval", "0.1", "--drain-timeout", "5",
         ]
         with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(command, cwd=root, env=env, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(command, cwd=log_dir, env=env, stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT)
 
     @property
@@ -140,11 +134,10 @@ def _poll(condition: Callable[[], T | None], timeout: float, what: str,
 
 
 class _Demo:
-    def __init__(self, dsn: str, schema: str, out: TextIO, root: Path, log_dir: Path) -> None:
+    def __init__(self, dsn: str, schema: str, out: TextIO, log_dir: Path) -> None:
         self.dsn = dsn
         self.schema = schema
         self.out = out
-        self.root = root
         self.log_dir = log_dir
         self.client = Client(dsn, schema=schema)
         self.workers: list[_Worker] = []
@@ -165,7 +158,7 @@ class _Demo:
         return detail
 
     def start_worker(self, label: str) -> _Worker:
-        worker = _Worker(label, self.root, self.dsn, self.schema, self.log_dir)
+        worker = _Worker(label, self.dsn, self.schema, self.log_dir)
         self.workers.append(worker)
         pattern = f"%:{worker.pid}:%"
         query = sql.SQL("select 1 from {}.workers where id like %s").format(
@@ -187,7 +180,7 @@ class _Demo:
     def run(self) -> None:
         self.say("flowly demo: a workflow that survives its worker being killed")
         self.say(f"database: {redacted(self.dsn)}    schema: {self.schema}")
-        self.say(f"workflow: 'order' from {self.root / 'examples' / 'order.py'}:"
+        self.say(f"workflow: 'order' from {order_module.__file__}:"
                  " reserve_inventory -> durable sleep 'cooling_period' -> charge_payment")
 
         applied = install_dsn(self.dsn, self.schema)
@@ -335,13 +328,8 @@ class _Demo:
 def main(dsn: str, *, schema: str = DEFAULT_SCHEMA, out: TextIO | None = None) -> int:
     """Run the demo against ``dsn``; returns 0 when everything it showed checked out."""
     stream = out or sys.stdout
-    root = find_examples_root()
-    if root is None:
-        stream.write("demo failed: examples/order.py not found; run the demo from a flowly"
-                     " source checkout\n")
-        return 1
     with tempfile.TemporaryDirectory(prefix="flowly-demo-") as log_dir:
-        demo = _Demo(dsn, schema, stream, root, Path(log_dir))
+        demo = _Demo(dsn, schema, stream, Path(log_dir))
         failed = True
         try:
             demo.run()

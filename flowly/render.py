@@ -14,8 +14,6 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from pglast import keywords
-
 from .client import Client, Run, Step, StepAttempt, Timer
 
 
@@ -42,10 +40,15 @@ def to_json(value: Any) -> str:
 
 
 def format_time(value: datetime | None) -> str:
-    """A timestamp in local time with milliseconds, or ``-``."""
+    """A timestamp in local time with milliseconds and the zone's name, or ``-``:
+    ``2026-11-30 21:05:09.123 CET`` (a numeric offset where the zone has no name)."""
     if value is None:
         return "-"
-    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    local = value.astimezone()
+    zone = local.strftime("%Z") or local.strftime("%z")
+    if not zone or (zone[0] in "+-" and zone[1:].isdigit()):
+        zone = f"UTC{local.strftime('%z')[:3]}:{local.strftime('%z')[3:]}"
+    return f"{local.strftime('%Y-%m-%d %H:%M:%S.%f')[:-3]} {zone}"
 
 
 def format_age(delta: timedelta) -> str:
@@ -92,14 +95,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "
     return "\n".join(lines)
 
 
-_KEYWORDS_NEEDING_QUOTES = (
-    keywords.RESERVED_KEYWORDS | keywords.TYPE_FUNC_NAME_KEYWORDS | keywords.COL_NAME_KEYWORDS)
+# PostgreSQL's reserved, type/function-name and column-name keywords (src/include/parser/kwlist.h
+# of PostgreSQL 17, the categories a bare identifier cannot take everywhere): these need quotes.
+# A static copy, so the CLI needs no SQL parser at run time; tests/test_packaging.py checks it
+# against pglast's list.
+KEYWORDS_NEEDING_QUOTES = frozenset("""
+    all analyse analyze and any array as asc asymmetric authorization between bigint
+    binary bit boolean both case cast char character check coalesce collate collation
+    column concurrently constraint create cross current_catalog current_date
+    current_role current_schema current_time current_timestamp current_user dec decimal
+    default deferrable desc distinct do else end except exists extract false fetch float
+    for foreign freeze from full grant greatest group grouping having ilike in initially
+    inner inout int integer intersect interval into is isnull join json json_array
+    json_arrayagg json_exists json_object json_objectagg json_query json_scalar
+    json_serialize json_table json_value lateral leading least left like limit localtime
+    localtimestamp merge_action national natural nchar none normalize not notnull null
+    nullif numeric offset on only or order out outer overlaps overlay placing position
+    precision primary real references returning right row select session_user setof
+    similar smallint some substring symmetric system_user table tablesample then time
+    timestamp to trailing treat trim true union unique user using values varchar
+    variadic verbose when where window with xmlattributes xmlconcat xmlelement xmlexists
+    xmlforest xmlnamespaces xmlparse xmlpi xmlroot xmlserialize xmltable
+""".split())
 
 
 def quote_ident(name: str) -> str:
     """``name`` as it must be typed in SQL: bare when it is a plain lower-case identifier that
     is not a keyword Postgres would read otherwise (``user``, ``select``, ...)."""
-    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) and name not in _KEYWORDS_NEEDING_QUOTES:
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) and name not in KEYWORDS_NEEDING_QUOTES:
         return name
     return '"' + name.replace('"', '""') + '"'
 
@@ -155,8 +178,31 @@ def _compensation(step: Step, run: Run) -> str:
     return "pending" if run.status == "compensating" else "not needed"
 
 
-def render_run(detail: RunDetail) -> str:
-    """A run as text: its header, the step timeline, failed attempts and durable timers."""
+def _full_error(error: Any, indent: str = "    ") -> list[str]:
+    """An error object in full: type and message, then its traceback, indented."""
+    if error is None:
+        return []
+    lines = [indent + line for line in error_message(error).splitlines() or [""]]
+    if isinstance(error, dict):
+        extra = {k: v for k, v in error.items() if k not in ("type", "message", "traceback")}
+        if extra:
+            lines.append(indent + json.dumps(extra, ensure_ascii=False, default=str))
+        if error.get("traceback"):
+            lines += [indent + "  " + line for line in str(error["traceback"]).splitlines()]
+    return lines
+
+
+def _full_json(value: Any, indent: str = "    ") -> list[str]:
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return [indent + line for line in text.splitlines()]
+
+
+def render_run(detail: RunDetail, *, full: bool = False) -> str:
+    """A run as text: its header, the step timeline, failed attempts and durable timers.
+
+    ``full`` prints input, output and every error untruncated, with their tracebacks, after
+    the tables.
+    """
     run = detail.run
     now = datetime.now(UTC)
     header: list[tuple[str, str]] = [
@@ -185,13 +231,15 @@ def render_run(detail: RunDetail) -> str:
         header.append(("parent run", run.parent_run_id))
     if run.error is not None:
         where = run.error.get("step") if isinstance(run.error, dict) else None
-        header.append(("error", error_message(run.error) + (f" (step {where})" if where else "")))
+        header.append(("error", shorten(error_message(run.error), 120)
+                       + (f" (step {where})" if where else "")))
     if run.compensation_ok is not None or run.status in ("compensating", "dead_letter"):
         ok = run.compensation_ok
         header.append(("compensation_ok", "-" if ok is None else str(ok).lower()))
-    header.append(("input", shorten(json.dumps(run.input), 100)))
-    if run.output is not None:
-        header.append(("output", shorten(json.dumps(run.output), 100)))
+    if not full:
+        header.append(("input", shorten(json.dumps(run.input), 100)))
+        if run.output is not None:
+            header.append(("output", shorten(json.dumps(run.output), 100)))
     width = max(len(k) for k, _ in header)
     lines = [f"run {run.id}"] + [f"  {k.ljust(width)}  {v}" for k, v in header]
 
@@ -233,4 +281,27 @@ def render_run(detail: RunDetail) -> str:
               format_time(t.fired_at) if t.fired_at else "not yet"] for t in detail.timers],
             indent="  ",
         ))
+    if full:
+        lines += _render_full(detail)
     return "\n".join(lines)
+
+
+def _render_full(detail: RunDetail) -> list[str]:
+    """The ``--full`` sections: everything the tables shorten, in full."""
+    run = detail.run
+    lines = ["", "input", *_full_json(run.input, "  ")]
+    if run.output is not None:
+        lines += ["", "output", *_full_json(run.output, "  ")]
+    if run.error is not None:
+        lines += ["", "run error", *_full_error(run.error, "  ")]
+    for step in detail.steps:
+        if step.error is not None:
+            lines += ["", f"step {step.name}: error", *_full_error(step.error, "  ")]
+        if step.compensation_error is not None:
+            lines += ["", f"step {step.name}: compensation error",
+                      *_full_error(step.compensation_error, "  ")]
+    for attempt in detail.failed_attempts:
+        lines += ["", f"step {attempt.step_name}: failed attempt {attempt.attempt}"
+                      f" (generation {attempt.generation}, {format_time(attempt.failed_at)})",
+                  *_full_error(attempt.error, "  ")]
+    return lines

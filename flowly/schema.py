@@ -46,6 +46,38 @@ def migrations() -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
+def sql_path() -> str:
+    """The folder holding ``install.sql`` and the migrations, for ``psql -f``.
+
+    A real directory in an installed package (a zip import has none: then use
+    :func:`install_script`).
+    """
+    return str(resources.files("flowly") / "sql")
+
+
+def install_script(schema: str | None = None) -> str:
+    """``sql/install.sql`` with every ``\\ir`` include inlined: one script for ``psql`` on
+    standard input (``flowly install --print-sql | psql``), applying what ``flowly install``
+    applies. With ``schema``, the script installs there unless ``psql -v schema=...`` says
+    otherwise; without, into ``flowly`` by the same rule.
+    """
+    folder = resources.files("flowly") / "sql"
+    lines = []
+    if schema is not None:
+        check_schema_name(schema)
+        # psql reads '' as a quote and backslash escapes inside single quotes
+        value = schema.replace("\\", "\\\\").replace("'", "''")
+        lines += ["\\if :{?schema}", "\\else", f"    \\set schema '{value}'", "\\endif"]
+    for line in (folder / "install.sql").read_text().splitlines():
+        match = re.fullmatch(r"(\s*)\\ir\s+(\S+)\s*", line)
+        if match is None:
+            lines.append(line)
+            continue
+        included = folder.joinpath(*match[2].split("/")).read_text()
+        lines += [f"-- begin {match[2]}", included.rstrip("\n"), f"-- end {match[2]}"]
+    return "\n".join(lines) + "\n"
+
+
 def _versions_sql() -> str:
     return (resources.files("flowly") / "sql" / "versions.sql").read_text()
 

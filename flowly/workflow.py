@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,10 +43,24 @@ def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Cal
         raise ValueError("workflow name must not be empty")
 
     def register(fn: F) -> F:
+        if not _is_async(fn):
+            what = getattr(fn, "__qualname__", None) or repr(fn)
+            raise TypeError(
+                f"workflow {name!r}: {what} must be an `async def` function taking (ctx, input);"
+                " a plain function or a generator would fail every run")
         _registry[name] = Workflow(name, fn, queue, max_attempts)
         return fn
 
     return register
+
+
+def _is_async(fn: Any) -> bool:
+    """``async def`` (also behind functools.partial or as an async ``__call__``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return callable(fn) and not inspect.isroutine(fn) and inspect.iscoroutinefunction(fn.__call__)
 
 
 def registered() -> Mapping[str, Workflow]:
@@ -120,6 +136,8 @@ def start_params(
         "timeout": _interval(workflow, "timeout", options.get("timeout")),
         "parent_run_id": None,
         "parent_lease_epoch": None,
+        "parent_step": None,
+        "parent_position": None,
     }
 
 

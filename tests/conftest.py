@@ -1,16 +1,15 @@
 """Fixtures: a fresh PostgreSQL database per test, with flowly installed.
 
-The server is, in order: FLOWLY_TEST_DSN (libpq conninfo or URL of a server we may create
-databases on); the embedded PostgreSQL when FLOWLY_TEST_EMBEDDED=1 or when nothing answers at
-127.0.0.1:5432; else the local server at 127.0.0.1:5432 as user root (CI's PostgreSQL 15).
-pytest-postgresql builds a template database with flowly installed once per session and
-clones it for every test.
+The server is chosen by tests/servers.py (FLOWLY_TEST_DSN, FLOWLY_TEST_EMBEDDED=1, FLOWLY_DSN,
+127.0.0.1:5432 as the current OS user, else the embedded PostgreSQL) and named in pytest's
+header. pytest-postgresql builds a template database with flowly installed once per session
+and clones it for every test.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,26 +23,19 @@ from pytest_postgresql import factories
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.servers import choose_server, describe  # noqa: E402
 
-def _local_server_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5432), timeout=1):
-            return True
-    except OSError:
-        return False
+CHOICE = choose_server(os.environ)
 
 
 def _server() -> dict[str, Any]:
-    if os.environ.get("FLOWLY_TEST_DSN"):
-        return conninfo_to_dict(os.environ["FLOWLY_TEST_DSN"])
-    if os.environ.get("FLOWLY_TEST_EMBEDDED") == "1" or not _local_server_up():
-        from flowly.embedded import embedded_dsn
+    if not CHOICE.embedded:
+        return CHOICE.params
+    from flowly.embedded import embedded_dsn
 
-        data_dir = ROOT / ".flowly" / f"test-pg{os.environ.get('FLOWLY_TEST_PG_VERSION', '18')}"
-        return conninfo_to_dict(
-            embedded_dsn(data_dir, version=os.environ.get("FLOWLY_TEST_PG_VERSION", "18"))
-        )
-    return {"host": "127.0.0.1", "port": 5432, "user": "root"}
+    version = os.environ.get("FLOWLY_TEST_PG_VERSION", "18")
+    data_dir = ROOT / ".flowly" / f"test-pg{version}"
+    return conninfo_to_dict(embedded_dsn(data_dir, version=version))
 
 
 SERVER = _server()
@@ -64,7 +56,7 @@ def _install(host: str, port: int, user: str, dbname: str, password: str | None 
 _SERVER_ARGS: dict[str, Any] = {
     "host": str(SERVER.get("host", "127.0.0.1")),
     "port": int(SERVER.get("port", 5432)),
-    "user": SERVER.get("user", "root"),
+    "user": SERVER.get("user") or os.environ.get("PGUSER") or getpass.getuser(),
     "password": SERVER.get("password"),
 }
 postgresql_noproc = factories.postgresql_noproc(
@@ -98,3 +90,7 @@ def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test database, for SQL-level checks."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         yield conn
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return describe(CHOICE, _SERVER_ARGS)

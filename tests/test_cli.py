@@ -231,7 +231,8 @@ def test_runs_lists_filters_and_emits_json(dsn: str) -> None:
     second = ok(flowly("start", "other", "--run-id", "run-b", dsn=dsn)).strip()
     out = ok(flowly("runs", dsn=dsn))
     header, *rows = out.splitlines()
-    assert header.split() == ["ID", "WORKFLOW", "STATUS", "ATTEMPT", "CREATED", "FINISHED/AGE"]
+    assert header.split() == ["ID", "WORKFLOW", "STATUS", "ATTEMPT", "CREATED", "FINISHED/AGE",
+                              "ERROR"]
     assert [r.split()[0] for r in rows] == [second, first]  # newest first
     assert header.index("WORKFLOW") == rows[0].index("other")  # aligned columns
     only = ok(flowly("runs", "--workflow", "other", dsn=dsn))
