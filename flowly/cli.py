@@ -422,6 +422,16 @@ def _error_field(run: Run, key: str) -> str | None:
     return None if value is None else str(value)
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    """``top``: a live full-screen view of the engine (``--once``: one frame, for scripts)."""
+    from .top import run as top
+
+    if not args.interval > 0:
+        raise CliError(f"--interval must be positive, got {args.interval:g}", EXIT_USAGE)
+    return top(args.dsn, args.schema, once=args.once, as_json=args.json,
+               interval=args.interval)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: kill a worker mid-run and watch the run resume (see :mod:`flowly.demo`)."""
     from .demo import main as demo_main
@@ -521,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     dead = add("dead-letters", cmd_dead_letters, "list dead-lettered runs")
     dead.add_argument("--workflow")
     dead.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+    top = add("top", cmd_top, "a live view of runs, queues, workers, retries and dead letters"
+                              " (q quits)")
+    top.add_argument("--once", action="store_true",
+                     help="print one frame and exit (with --json: the frame as JSON)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (1)")
     add("demo", cmd_demo, "kill a worker mid-workflow and watch flowly resume it")
     return parser
 
