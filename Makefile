@@ -38,5 +38,14 @@ $(BIN)/.peers: $(BIN)/.installed
 bench-peers: $(BIN)/.peers
 	$(BIN)/python bench/peers.py $(PEERS_ARGS)
 
+# stop the embedded servers (the project's and the test suite's) before deleting their data;
+# without the venv, a fast shutdown by signal (what pg_ctl stop -m fast sends)
 clean:
+	@for pidfile in .flowly/*/postmaster.pid; do \
+	    [ -f "$$pidfile" ] || continue; \
+	    dir=$$(dirname "$$pidfile"); \
+	    if [ -x $(BIN)/flowly ]; then $(BIN)/flowly embedded stop --data-dir "$$dir"; \
+	    else pid=$$(head -1 "$$pidfile"); kill -INT "$$pid" 2>/dev/null && \
+	        for i in $$(seq 100); do kill -0 "$$pid" 2>/dev/null || break; sleep 0.1; done; fi; \
+	done
 	rm -rf $(VENV) .flowly .pytest_cache .mypy_cache .ruff_cache

