@@ -27,6 +27,9 @@ from tests.servers import choose_server, describe  # noqa: E402
 
 CHOICE = choose_server(os.environ)
 
+# the wheel and a virtualenv holding it alone (tests/installed.py), shared by the tests
+pytest_plugins = ["tests.installed"]
+
 
 def _server() -> dict[str, Any]:
     if not CHOICE.embedded:

