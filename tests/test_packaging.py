@@ -114,6 +114,17 @@ def test_installed_wheel_runs_a_workflow_end_to_end(installed: Path, empty_dsn: 
     assert "Traceback" not in out
 
 
+def test_installed_wheel_without_the_embedded_extra_says_what_to_install(
+        installed: Path, tmp_path: Path) -> None:
+    env = clean_env(installed)
+    for argv in (["flowly", "runs"], ["flowly", "embedded", "status"]):
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1, done
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("error: ") and "flowly[embedded]" in line, line
+
+
 def test_installed_wheel_prints_its_install_script_for_psql(installed: Path, empty_dsn: str,
                                                              tmp_path: Path) -> None:
     env = clean_env(installed)
