@@ -19,12 +19,11 @@ import importlib
 import json
 import logging
 import os
-import re
 import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from psycopg import sql
 
 from . import __version__
 from .client import Client, Run
+from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
 from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL
 from .errors import (
@@ -267,25 +267,19 @@ def cmd_start(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def parse_since(text: str, now: datetime | None = None) -> datetime:
-    """``10m``, ``2h``, ``1d`` (an age) or an ISO 8601 time (local time when naive)."""
-    now = now or datetime.now(UTC)
-    match = _AGE.fullmatch(text.strip())
-    if match:
-        try:
-            return now - timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
-        except OverflowError:
-            raise CliError(f"--since: {text!r} reaches before the year 1", EXIT_USAGE) from None
+    """``10m``, ``2h``, ``1d`` (an age) or an ISO 8601 time (local time when naive); the
+    forms :meth:`Client.list_runs` takes, checked here so a bad one is a usage error."""
     try:
-        when = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise CliError(f"--since: expected an age like 10m, 2h, 1d or an ISO time, got {text!r}",
-                       EXIT_USAGE) from None
-    return when if when.tzinfo is not None else when.astimezone()
+        point = client_parse_since(text)
+    except InvalidArgument as exc:
+        raise CliError(f"--{exc}", EXIT_USAGE) from None
+    if isinstance(point, datetime):
+        return point
+    try:
+        return (now or datetime.now(UTC)) - point
+    except OverflowError:
+        raise CliError(f"--since: {text!r} reaches before the year 1", EXIT_USAGE) from None
 
 
 def _check_limit(limit: int) -> None:

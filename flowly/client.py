@@ -50,6 +50,10 @@ class Run:
     finished_at: datetime | None
     locked_by: str | None
     locked_until: datetime | None
+    # 1, plus one per retry_dead_letter (idempotency keys name it from 2 on)
+    generation: int = 1
+    # takeovers in a row from workers that stopped heartbeating (PoisonRun at max_takeovers)
+    takeovers: int = 0
 
     @property
     def done(self) -> bool:
@@ -141,7 +145,19 @@ def _timeout_message(run: Run, timeout: float | None, served: bool | None) -> st
     return message
 
 
-def _unserved_note(run_id: str, workflow: str, queue: str) -> None:
+_WARN_EVERY = 60.0
+"""Seconds between two warnings of one client about the same unserved workflow and queue."""
+
+
+def _unserved_note(warned: dict[tuple[str, str], float], run_id: str, workflow: str,
+                   queue: str) -> None:
+    """Log that nobody serves the run, once a minute per workflow and queue (a loop of starts
+    while the workers are down must not flood the log)."""
+    now = time.monotonic()
+    last = warned.get((workflow, queue))
+    if last is not None and now - last < _WARN_EVERY:
+        return
+    warned[(workflow, queue)] = now
     logger.warning("run %s: no live worker serves workflow %r on queue %r right now; the run"
                    " waits until one does", run_id, workflow, queue)
 
@@ -224,6 +240,7 @@ class Client:
         self.dsn = dsn
         self.calls = Calls(schema)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        self._warned: dict[tuple[str, str], float] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -270,7 +287,7 @@ class Client:
         params = start_params(name, input, run_id, options, defaults)
         row = self._fetch(_start_and_served(self.calls), params, conn)[0]
         if not row["served"]:
-            _unserved_note(row["start"], name, params["queue"])
+            _unserved_note(self._warned, row["start"], name, params["queue"])
         return str(row["start"])
 
     def get(self, run_id: str) -> Run:
@@ -355,6 +372,7 @@ class AsyncClient:
         self.dsn = dsn
         self.calls = Calls(schema)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -392,7 +410,7 @@ class AsyncClient:
         params = start_params(name, input, run_id, options, defaults)
         row = (await self._fetch(_start_and_served(self.calls), params, conn))[0]
         if not row["served"]:
-            _unserved_note(row["start"], name, params["queue"])
+            _unserved_note(self._warned, row["start"], name, params["queue"])
         return str(row["start"])
 
     async def get(self, run_id: str) -> Run:

@@ -38,6 +38,8 @@ def test_start_of_a_workflow_no_live_worker_serves_logs_a_warning(
         dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     with flowly.Client(dsn) as client, caplog.at_level(logging.WARNING, logger="flowly"):
         run_id = client.start("nobody-serves-this", {"x": 1}, queue="lonely")
+        for _ in range(3):  # a loop of starts warns once, not once per run
+            client.start("nobody-serves-this", {"x": 2}, queue="lonely")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, caplog.text
     message = warnings[0].getMessage()
@@ -53,6 +55,15 @@ def test_async_start_of_an_unserved_workflow_logs_a_warning(
     with caplog.at_level(logging.WARNING, logger="flowly"):
         asyncio.run(scenario())
     assert "nobody-serves-this-either" in caplog.text
+
+
+def test_start_of_a_served_workflow_logs_nothing(
+        dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture) -> None:
+    db.execute("select flowly.register_worker('w:1:h', array['served'], array['default'],"
+               " interval '30 seconds')")
+    with flowly.Client(dsn) as client, caplog.at_level(logging.WARNING, logger="flowly"):
+        client.start("served")
+    assert not caplog.records, caplog.text
 
 
 def test_start_inside_the_callers_transaction_also_warns(
