@@ -280,11 +280,18 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
 
     conn: psycopg.Connection[Any] | None = None
     snap, error = first, None
+    # a terminal that cannot move the cursor (TERM=dumb) gets one frame after the other
+    screen = (Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False,
+                   redirect_stderr=False)
+              if not console.is_dumb_terminal else contextlib.nullcontext(None))
     try:
-        with _keys() as read_key, Live(console=console, screen=True, auto_refresh=False,
-                                       redirect_stdout=False, redirect_stderr=False) as live:
+        with _keys() as read_key, screen as live:
             while True:
-                live.update(render(snap, width=console.width, error=error), refresh=True)
+                frame = render(snap, width=console.width, error=error)
+                if live is None:
+                    console.print(frame, "")
+                else:
+                    live.update(frame, refresh=True)
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0:
                     if read_key(left).lower().startswith("q"):
