@@ -319,21 +319,21 @@ def resolve_run_id(client: Client, given: str) -> str:
 
     An ambiguous prefix is a usage error listing the candidates; no match is RunNotFound.
     """
-    query = sql.SQL(
-        "(select id from {s}.runs where id = %(id)s)"
-        " union all (select id from {s}.runs where starts_with(id, %(id)s) and id <> %(id)s"
-        " order by id limit 11)").format(s=sql.Identifier(args_schema(client)))
-    ids = [str(row["id"]) for row in client._fetch(query, {"id": given})]
+    schema = sql.Identifier(client.calls.schema)
+    exact = sql.SQL("select id from {}.runs where id = %s").format(schema)
+    if client._fetch(exact, (given,)):
+        return given
+    # a prefix reads the table (no index serves starts_with under every collation): only
+    # when the exact id, which the primary key finds, is not there
+    prefixed = sql.SQL("select id from {}.runs where starts_with(id, %s) order by id limit 11"
+                       ).format(schema)
+    ids = [str(row["id"]) for row in client._fetch(prefixed, (given,))]
     if not ids:
         raise RunNotFound(f"run {given} not found")
-    if ids[0] == given or len(ids) == 1:
+    if len(ids) == 1:
         return ids[0]
     shown = ", ".join(ids[:10]) + (", ..." if len(ids) > 10 else "")
     raise CliError(f"run id prefix {given!r} is ambiguous: it matches {shown}", EXIT_USAGE)
-
-
-def args_schema(client: Client) -> str:
-    return client.calls.schema
 
 
 def _resolved(args: argparse.Namespace, client: Client) -> str:
