@@ -89,6 +89,7 @@ def test_installed_wheel_runs_a_workflow_end_to_end(installed: Path, empty_dsn: 
     assert str(ROOT) not in where.stdout and str(installed.parent) in where.stdout
 
     assert _run(["flowly", "--version"], tmp_path, env).stdout.startswith("flowly ")
+    assert _run([python, "-m", "flowly", "--version"], tmp_path, env).stdout.startswith("flowly")
     assert "applied" in _run(["flowly", "--dsn", empty_dsn, "install"], tmp_path, env).stdout
     sql_dir = Path(_run(["flowly", "sql-path"], tmp_path, env).stdout.strip())
     assert (sql_dir / "install.sql").is_file() and str(installed.parent) in str(sql_dir)
