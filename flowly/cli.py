@@ -483,7 +483,7 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors end like every other error (one line, or JSON)."""
 
     def error(self, message: str) -> Any:  # argparse's contract: never returns
-        raise CliError(f"{self.prog}: {message}", EXIT_USAGE)
+        raise CliError(f"{self.prog}: {message} (see {self.prog} --help)", EXIT_USAGE)
 
 
 def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
