@@ -438,7 +438,7 @@ def cmd_embedded(args: argparse.Namespace) -> int:
     if args.action == "stop":
         try:
             pid = embedded.stop(data_dir)
-        except TimeoutError as exc:
+        except (TimeoutError, OSError) as exc:  # OSError: no right to signal it or lock it
             raise CliError(str(exc)) from None
         where = embedded.resolve_data_dir(data_dir)
         if args.json:

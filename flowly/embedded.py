@@ -212,6 +212,8 @@ def stop(data_dir: pathlib.Path | None = None, timeout: float = 30.0) -> int | N
     committed is lost) and wait for it to exit; returns its PID, or None if none was running.
     Raises TimeoutError when it has not exited after ``timeout`` seconds."""
     pgdata = resolve_data_dir(data_dir)
+    if not pgdata.is_dir():  # nothing to stop, and no folder to create for the lock
+        return None
     with _locked(pgdata):
         current = status(pgdata)
         if current.pid is None:
@@ -222,6 +224,10 @@ def stop(data_dir: pathlib.Path | None = None, timeout: float = 30.0) -> int | N
             process.wait(timeout)
         except psutil.NoSuchProcess:
             pass
+        except psutil.AccessDenied:
+            raise PermissionError(f"not allowed to stop the embedded PostgreSQL in {pgdata}"
+                                  f" (pid {current.pid}): run this as the user who started"
+                                  " it, or as root") from None
         except psutil.TimeoutExpired:
             raise TimeoutError(f"the embedded PostgreSQL in {pgdata} (pid {current.pid}) has"
                                f" not stopped after {timeout:g}s") from None

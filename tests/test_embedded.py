@@ -121,3 +121,10 @@ def test_make_clean_stops_the_servers_before_deleting_their_data(tmp_path: Path,
     finally:
         if psutil.pid_exists(pid):
             psutil.Process(pid).kill()
+
+
+def test_stop_without_a_server_creates_nothing(tmp_path: Path) -> None:
+    data_dir = tmp_path / "project" / ".flowly" / "pgdata"
+    out = ok(flowly("embedded", "stop", env={"FLOWLY_EMBEDDED_DIR": str(data_dir)}))
+    assert "no embedded PostgreSQL is running" in out
+    assert not (tmp_path / "project").exists()
