@@ -34,9 +34,14 @@ class Choice:
 
 
 def can_log_in(params: Mapping[str, Any]) -> str | None:
-    """None when a connection with ``params`` (to database ``postgres``) works, else why not."""
+    """None when a connection with ``params`` (to database ``postgres``) works and may create
+    the test databases, else why not."""
     try:
-        with psycopg.connect(**{"dbname": "postgres", **params}, connect_timeout=3):
+        with psycopg.connect(**{"dbname": "postgres", **params}, connect_timeout=3) as conn:
+            row = conn.execute("select rolcreatedb or rolsuper from pg_roles"
+                               " where rolname = current_user").fetchone()
+            if not row or not row[0]:
+                return f"role {conn.info.user} may not create databases"
             return None
     except psycopg.Error as exc:
         return " ".join(str(exc).split()) or type(exc).__name__

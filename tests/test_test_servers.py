@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import getpass
+import os
+from typing import Any
 
 import psycopg
 
@@ -40,3 +42,19 @@ def test_the_session_uses_the_server_the_header_names(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         assert conn.execute("select 1").fetchone() == (1,)
     assert CHOICE.source in ("FLOWLY_TEST_DSN", "FLOWLY_DSN", "local", "embedded")
+
+
+def test_a_role_that_may_not_create_databases_falls_back_to_embedded(
+        db: psycopg.Connection[Any]) -> None:
+    role = f"flowly_test_no_createdb_{os.getpid()}"
+    db.execute(f"drop role if exists {role}")
+    db.execute(f"create role {role} login")
+    try:
+        info = db.info
+        if info.host.startswith("/"):
+            return  # the embedded server's socket: no 127.0.0.1:5432 to ask
+        reason = can_log_in({"host": info.host, "port": info.port, "user": role})
+        assert reason is not None  # (a server that wants a password for it says so instead)
+        assert "may not create databases" in reason or "password" in reason, reason
+    finally:
+        db.execute(f"drop role {role}")
