@@ -18,9 +18,10 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
 
-# the same suite on the embedded PostgreSQL 18 (CI runs both)
+# the same suite on the embedded PostgreSQL 18 (CI runs both), but for the packaging tests,
+# which test the wheel, not the server
 test-embedded: $(BIN)/.installed
-	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest
+	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest -m "not packaging"
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check flowly tests bench examples

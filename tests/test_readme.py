@@ -66,7 +66,8 @@ def test_readme_sql_blocks_run(db: psycopg.Connection[Any]) -> None:
     assert {"order-1001", "order-7"} <= ids
 
 
-@pytest.mark.parametrize("mode", ["checkout", "installed"])
+@pytest.mark.parametrize("mode", ["checkout",
+                                  pytest.param("installed", marks=pytest.mark.packaging)])
 def test_readme_commands_run(dsn: str, db: psycopg.Connection[Any], mode: str,
                              request: pytest.FixtureRequest, tmp_path: Path) -> None:
     info = conninfo_to_dict(dsn)
