@@ -9,19 +9,20 @@ the body early (a durable sleep, a retry backoff, a lost lease, a saga) is signa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
-import psycopg
-
-from .db import dumps, jsonb_safe_text
+from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text
 from .errors import LeaseLost, StepOutputNotSerializable
+from .replay import ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
 from .workflow import Workflow, WorkflowFn, lookup
+
+T = TypeVar("T")
 
 
 class Interrupt(BaseException):
@@ -56,43 +57,35 @@ class RunAbandoned(Interrupt):
     """
 
 
-@dataclass
-class StoredStep:
-    """A step outcome as the database holds it."""
-
-    status: str
-    output: Any
-    seq: int
-    compensable: bool = False
-    compensation_status: str | None = None
-
-
 class RunStore(Protocol):
     """The writes a running workflow makes, each fenced by the run's lease epoch."""
 
     async def checkpoint(
-        self, name: str, payload: str, started_at: datetime, compensable: bool
+        self, name: str, payload: str, started_at: datetime, compensable: bool, position: int
     ) -> tuple[Any, int]: ...
 
     async def sleep(
-        self, name: str, wake_at: datetime | None, seconds: float | None
+        self, name: str, wake_at: datetime | None, seconds: float | None, position: int
     ) -> tuple[datetime, bool]: ...
 
     async def fail_step(
         self, name: str, error: dict[str, Any], started_at: datetime, retry: Retry,
-        retryable: bool,
+        retryable: bool, position: int,
     ) -> str: ...
 
     async def start_run(
         self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
-        defaults: Workflow | None,
+        defaults: Workflow | None, record: str, position: int,
     ) -> str: ...
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
-# names key a btree index (run id, name), whose entries must stay under about 2.7 kB
+# names key a btree index (run id, name), whose entries must stay under about 2.7 kB; the
+# database enforces the same limit (max_name_bytes())
 _MAX_NAME_BYTES = 1000
+# how long a write waits before it tries a busy run again, at first and at most
+_BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
 
 
 def error_info(exc: BaseException) -> dict[str, Any]:
@@ -138,6 +131,50 @@ async def call_user_function(store: RunStore, fn: Callable[..., Any], *args: Any
     return result
 
 
+class RefusedWrite(Exception):
+    """The database refused a write for what it held (a value it cannot store, a limit), as
+    opposed to a lost lease, a busy row or a failed connection."""
+
+
+async def run_write(
+    run_id: str, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False
+) -> T:
+    """Make one engine call for run ``run_id``, and sort out how it failed.
+
+    A busy run (its row locked elsewhere, a lost serialization race) is tried again after a
+    pause that grows, holding no connection meanwhile; a stale lease ends the body
+    (LeaseLostInterrupt); a failed connection abandons the run until its lease expires
+    (RunAbandoned). Any other database error refused the call for its content: it is raised
+    as :class:`RefusedWrite` (a step fails with it, without retries), or as itself with
+    ``refused_raises`` (a sleep or a start the body asked for).
+    """
+    pause = _BUSY_PAUSE_FIRST
+    while True:
+        try:
+            return await call()
+        except LeaseLost as exc:
+            raise LeaseLostInterrupt(str(exc)) from None
+        except Exception as exc:
+            if is_contention(exc):
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _BUSY_PAUSE_MAX)
+                continue
+            if is_connection_failure(exc):
+                # not this run's fault: another try after the lease expires may succeed
+                raise RunAbandoned(f"run {run_id}: {exc}") from exc
+            if refused_raises or isinstance(exc, RefusedWrite):
+                raise
+            raise RefusedWrite(str(exc)) from exc
+
+
+def _start_record_name(child_id: str) -> str:
+    """The parent's step name that records the id of a child it started."""
+    name = f"start:{child_id}"
+    if len(name.encode("utf-8", "surrogatepass")) <= _MAX_NAME_BYTES:
+        return name
+    return f"start:sha256:{hashlib.sha256(child_id.encode('utf-8', 'surrogatepass')).hexdigest()}"
+
+
 class Context:
     """Handed to a workflow body as ``ctx``; one per execution of a run."""
 
@@ -147,38 +184,50 @@ class Context:
         run_id: str,
         workflow: str,
         attempt: int,
+        generation: int,
         store: RunStore,
-        steps: dict[str, StoredStep],
-        timers: dict[str, tuple[datetime, bool]],
+        history: ReplayLog,
         compensating: bool,
         default_retry: Retry,
     ) -> None:
         self.run_id = run_id
         self.workflow = workflow
         self.attempt = attempt
+        self.generation = generation
+        self.history = history
         self._store = store
-        self._steps = steps
-        self._timers = timers
         self._default_retry = default_retry
-        self.compensating = compensating
+        # why steps must stop executing: 'compensate' (the saga runs) or 'dead_letter'
+        self._halted: str | None = "compensate" if compensating else None
         self.compensations: dict[str, Callable[[Any], Any]] = {}
         self._names_used: set[str] = set()
         self._child_counts: dict[str, int] = {}
+        # steps executing their function or checkpoint, and steps anywhere past their replay
+        # check (failing included): a failure waits for the first to reach 0 before it decides
+        # the run's fate, and the worker waits for the second before it compensates
+        self._executing = 0
+        self._in_flight = 0
+        self._changed = asyncio.Event()
 
     @property
-    def steps(self) -> dict[str, StoredStep]:
-        """Step outcomes known to this execution (replayed and new), by name."""
-        return self._steps
+    def compensating(self) -> bool:
+        """Whether the run's saga must run (a step failed for good)."""
+        return self._halted == "compensate"
 
     def idempotency_key(self, step: str) -> str:
         """A key that is the same on every attempt and replay of ``step`` in this run.
 
         Steps are at-least-once: pass this to external APIs so they de-duplicate a call
-        repeated after a crash between the side effect and the checkpoint.
+        repeated after a crash between the side effect and the checkpoint. A run restarted by
+        ``retry_dead_letter`` is a new generation whose steps run again after their effects
+        were compensated, so from generation 2 on the key names the generation too.
         """
-        return f"{self.run_id}:{step}"
+        if self.generation == 1:
+            return f"{self.run_id}:{step}"
+        return f"{self.run_id}:{step}:g{self.generation}"
 
-    def _claim_name(self, name: str) -> None:
+    def _claim_name(self, name: str) -> int:
+        """Reserve ``name`` for this execution; returns its position in the body."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"step and sleep names must be non-empty strings, got {name!r}")
         try:
@@ -194,6 +243,7 @@ class Context:
                 " run needs its own name, since checkpoints are keyed by it"
             )
         self._names_used.add(name)
+        return len(self._names_used)
 
     async def step(
         self,
@@ -210,41 +260,77 @@ class Context:
         between); when attempts run out, ``compensate(output)`` of every completed step runs
         in reverse order and the run lands in ``dead_letter``. The output must be JSON
         serialisable; the value returned is the one stored (so replays see the same thing).
+        Steps running in parallel (``asyncio.gather``) when one fails are waited for first,
+        so every step that completed is checkpointed, and compensated, before the saga.
         """
-        self._claim_name(name)
+        position = self._claim_name(name)
         if compensate is not None:
             self.compensations[name] = compensate
-        stored = self._steps.get(name)
-        if stored is not None:
+        stored = await self._write(lambda: self.history.get(name))
+        if isinstance(stored, StoredStep):
             if stored.status == "completed":
                 return stored.output
             raise CompensateInterrupt("compensate")
-        if self.compensating:
-            raise CompensateInterrupt("compensate")
+        if self._halted is not None:
+            raise CompensateInterrupt(self._halted)
 
         policy = retry or self._default_retry
         started_at = now()
+        self._in_flight += 1
+        self._executing += 1
+        executing = True
         try:
-            result = await call_user_function(self._store, fn, *args)
-            payload = serialise_output(result, f"step {name!r}")
-        except Interrupt:
-            raise
-        except BaseException as exc:  # a poison step fails its run, never the worker
-            if cancel_requested(exc):
+            try:
+                result = await call_user_function(self._store, fn, *args)
+                payload = serialise_output(result, f"step {name!r}")
+                output, seq = await self._write(lambda: self._store.checkpoint(
+                    name, payload, started_at, compensate is not None, position))
+            except Interrupt:
                 raise
-            retryable = not isinstance(exc, StepOutputNotSerializable)
-            decision = await self._fenced(
-                self._store.fail_step(name, error_info(exc), started_at, policy, retryable)
-            )
-            if decision == "retry":
-                raise RetryInterrupt(name) from None
-            raise CompensateInterrupt(decision) from None
+            except BaseException as exc:  # a poison step fails its run, never the worker
+                if cancel_requested(exc):
+                    raise
+                # the output was refused (not JSON, or not storable): no retry can change it
+                retryable = not isinstance(exc, (StepOutputNotSerializable, RefusedWrite))
+                self._executing -= 1
+                executing = False
+                self._notify()
+                await self._fail_step(name, exc, started_at, policy, retryable, position)
+            self.history.record(name, StoredStep("completed", output, seq, compensate is not None,
+                                                 position=position))
+            return output
+        finally:
+            self._in_flight -= 1
+            if executing:
+                self._executing -= 1
+            self._notify()
 
-        output, seq = await self._fenced(
-            self._store.checkpoint(name, payload, started_at, compensate is not None)
-        )
-        self._steps[name] = StoredStep("completed", output, seq, compensate is not None)
-        return output
+    async def _fail_step(
+        self, name: str, exc: BaseException, started_at: datetime, policy: Retry,
+        retryable: bool, position: int,
+    ) -> NoReturn:
+        """Store a failed attempt (once parallel siblings settled) and end the body."""
+        await self._until(lambda: self._executing == 0)
+        cause = exc.__cause__ if isinstance(exc, RefusedWrite) and exc.__cause__ else exc
+        decision = await self._write(lambda: self._store.fail_step(
+            name, error_info(cause), started_at, policy, retryable, position))
+        if decision == "retry":
+            raise RetryInterrupt(name) from None
+        self._halted = decision
+        raise CompensateInterrupt(decision) from None
+
+    async def settled(self) -> None:
+        """Wait until no step of this execution is running or failing (the body ended, but
+        parallel steps it left may still be finishing)."""
+        await self._until(lambda: self._in_flight == 0)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
 
     async def sleep(self, name: str, seconds: float | timedelta) -> None:
         """Sleep durably for ``seconds``, measured from the first time this sleep is reached.
@@ -262,16 +348,17 @@ class Context:
         await self._sleep(name, when, None)
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
-        self._claim_name(name)
-        timer = self._timers.get(name)
-        if timer is not None and timer[1]:
+        position = self._claim_name(name)
+        timer = await self._write(lambda: self.history.get(name))
+        if isinstance(timer, StoredTimer) and timer.due:
             return
-        if self.compensating:
-            raise CompensateInterrupt("compensate")
-        stored_wake_at, released = await self._fenced(self._store.sleep(name, wake_at, seconds))
+        if self._halted is not None:
+            raise CompensateInterrupt(self._halted)
+        stored_wake_at, released = await self._write(
+            lambda: self._store.sleep(name, wake_at, seconds, position), refused_raises=True)
         if released:
             raise SleepInterrupt(name)
-        self._timers[name] = (stored_wake_at, True)
+        self.history.record(name, StoredTimer(stored_wake_at, True))
 
     async def start(
         self,
@@ -280,11 +367,13 @@ class Context:
         run_id: str | None = None,
         **options: Any,
     ) -> str:
-        """Start another run and return its id; idempotent across replays.
+        """Start another run and return its id; the same id on every replay.
 
         Without ``run_id`` the child's id is derived from this run's id, the workflow name and
-        how many runs of that workflow this body started before, so a replay starts nothing
-        new. ``workflow`` is a name or a decorated function; ``options`` are those of
+        how many runs of that workflow this body started before. The id that ``start``
+        returned (the child's, or the live run holding its concurrency key) is recorded in
+        this run's steps in the same transaction, and replays return the record. ``workflow``
+        is a name or a decorated function; ``options`` are those of
         :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
         defaults when it is registered in this process.
         """
@@ -292,16 +381,20 @@ class Context:
         count = self._child_counts.get(name, 0) + 1
         self._child_counts[name] = count
         child_id = run_id or f"{self.run_id}:{name}:{count}"
-        return str(await self._fenced(
-            self._store.start_run(name, input, child_id, options, defaults)))
+        record = _start_record_name(child_id)
+        position = self._claim_name(record)
+        stored = await self._write(lambda: self.history.get(record))
+        if isinstance(stored, StoredStep):
+            return str(stored.output)
+        if self._halted is not None:
+            raise CompensateInterrupt(self._halted)
+        started = await self._write(lambda: self._store.start_run(
+            name, input, child_id, options, defaults, record, position), refused_raises=True)
+        self.history.record(record, StoredStep("completed", started, 0, position=position,
+                                               kind="start"))
+        return started
 
-    async def _fenced(self, write: Awaitable[Any]) -> Any:
-        try:
-            return await write
-        except LeaseLost as exc:
-            raise LeaseLostInterrupt(str(exc)) from None
-        except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as exc:
-            # the connection or server failed (or a deadlock victim): not this run's fault, so
-            # another try after the lease expires may well succeed; any other database error is
-            # about what the run asked for and fails it like an exception of its own
-            raise RunAbandoned(f"run {self.run_id}: {exc}") from exc
+    async def _write(
+        self, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False
+    ) -> T:
+        return await run_write(self.run_id, call, refused_raises=refused_raises)

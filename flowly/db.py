@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import SchemaError, SchemaNotInstalled, translate
+from .errors import RunBusy, SchemaError, SchemaNotInstalled, translate
 
 DEFAULT_SCHEMA = "flowly"
 NON_TERMINAL = ("pending", "running", "compensating")
@@ -60,6 +60,32 @@ def translated_errors() -> Iterator[None]:
         if translated is error:
             raise
         raise translated from error
+
+
+# SQLSTATE classes of failures of the connection or the server, not of what was asked:
+# connection exceptions, insufficient resources, operator intervention (shutdown, statement
+# timeout, cancel), system errors
+_CONNECTION_CLASSES = frozenset({"08", "53", "57", "58"})
+# the row or the transaction was contended: the same call, made again, may well succeed
+_CONTENTION_STATES = frozenset({"55P03", "40001", "40P01"})
+
+
+def is_contention(exc: BaseException) -> bool:
+    """Whether ``exc`` says "busy, try again": the run's row was locked (WF005, a lock
+    timeout) or the transaction lost a serialization conflict or a deadlock."""
+    if isinstance(exc, RunBusy):
+        return True
+    return isinstance(exc, psycopg.Error) and exc.sqlstate in _CONTENTION_STATES
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the connection or the server failing (whether a write committed is
+    then unknown), rather than the database refusing what was asked."""
+    if isinstance(exc, (psycopg.InterfaceError, OSError)):
+        return True
+    if not isinstance(exc, psycopg.OperationalError) or is_contention(exc):
+        return False
+    return exc.sqlstate is None or exc.sqlstate[:2] in _CONNECTION_CLASSES
 
 
 # a \u0000 escape preceded by an even number of backslashes (an odd number would make it text)
@@ -106,26 +132,31 @@ class Calls:
             " concurrency_key => %(concurrency_key)s,"
             " max_attempts => %(max_attempts)s, timeout => %(timeout)s,"
             " parent_run_id => %(parent_run_id)s,"
-            " parent_lease_epoch => %(parent_lease_epoch)s)"
+            " parent_lease_epoch => %(parent_lease_epoch)s,"
+            " parent_step => %(parent_step)s, parent_position => %(parent_position)s)"
         )
         self.cancel = q("select {s}.cancel(%s)")
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
         self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
         self.unregister_worker = q("select {s}.unregister_worker(%s)")
         self.claim = q("select * from {s}.claim(%s, %s, %s, %s, %s)")
+        self.replay = q("select * from {s}.replay(%s, %s, %s)")
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
+        self.fold_run_counts = q("select {s}.fold_run_counts()")
         self.release = q("select {s}.release(%s, %s)")
         self.checkpoint_steps = q(
-            "select * from {s}.checkpoint_steps(%s, %s, %s, %s::jsonb[], %s, %s)"
+            "select * from {s}.checkpoint_steps(%s, %s, %s, %s::jsonb[], %s, %s, %s)"
         )
         self.complete_runs = q("select * from {s}.complete_runs(%s, %s, %s::jsonb[])")
-        self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s)")
-        self.fail_step = q("select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+        self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s, %s)")
+        self.fail_step = q(
+            "select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
         self.fail_run = q("select * from {s}.fail_run(%s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")
         self.get_run = q("select * from {s}.runs where id = %s")
-        self.get_steps = q("select * from {s}.steps where run_id = %s order by seq")
+        self.get_steps = q(
+            "select * from {s}.steps where run_id = %s order by position nulls first, seq")
         self.get_step_attempts = q(
             "select step_name, generation, attempt, error, started_at, failed_at, retry_at"
             " from {s}.step_attempts where run_id = %s order by failed_at"

@@ -34,6 +34,15 @@ class InvalidState(FlowlyError):
     """SQLSTATE WF004: the run is not in a state that allows the operation."""
 
 
+class RunBusy(FlowlyError):
+    """SQLSTATE WF005: another transaction holds the run's row; try again.
+
+    The engine never queues behind a lock on a run (an operator's open transaction, say):
+    the worker retries the write shortly, and an operator's ``cancel`` gives up after its
+    lock timeout with this error instead of hanging.
+    """
+
+
 class UnknownWorkflow(FlowlyError, LookupError):
     """A workflow name is not registered in this process."""
 
@@ -59,6 +68,7 @@ _BY_SQLSTATE: dict[str, type[FlowlyError]] = {
     "WF002": RunNotFound,
     "WF003": InvalidArgument,
     "WF004": InvalidState,
+    "WF005": RunBusy,
 }
 
 

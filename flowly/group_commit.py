@@ -5,6 +5,11 @@ up while one flush is in flight go to the database together as one ``checkpoint_
 one ``complete_runs`` call, pipelined in one round trip. Under load that turns hundreds of
 commits into a few, while an idle worker still commits a lone write at once (no batching
 delay).
+
+One run's trouble stays its own: a run whose row another transaction holds comes back busy
+(the database never waits for it) and is queued again after a short pause; a batch the
+database refuses for one item's content is written again item by item, so only the culprit
+gets the error.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from .db import Calls, translated_errors
-from .errors import LeaseLost
+from .db import Calls, is_connection_failure, is_contention, translated_errors
+from .errors import LeaseLost, RunBusy
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,9 @@ class _Checkpoint:
     payload: str
     started_at: datetime
     compensable: bool
+    position: int
     done: asyncio.Future[tuple[Any, int]] = field(repr=False)
+    tries: int = 0
 
 
 @dataclass
@@ -40,6 +47,12 @@ class _Completion:
     epoch: int
     payload: str
     done: asyncio.Future[None] = field(repr=False)
+    tries: int = 0
+
+
+_Write = _Checkpoint | _Completion
+# the pause before a busy write is queued again: first, growth per try, at most
+_BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
 
 
 class GroupCommitter:
@@ -52,7 +65,7 @@ class GroupCommitter:
         self._calls = calls
         self._max_batch = max_batch
         self._flushers = flushers
-        self._pending: list[_Checkpoint | _Completion] = []
+        self._pending: list[_Write] = []
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -73,14 +86,15 @@ class GroupCommitter:
 
     async def checkpoint(
         self, run_id: str, epoch: int, name: str, payload: str, started_at: datetime,
-        compensable: bool,
+        compensable: bool, position: int,
     ) -> tuple[Any, int]:
         """Store a step's output; returns the stored output and its sequence number.
 
         Raises :class:`LeaseLost` if the run's fencing token is stale.
         """
         done: asyncio.Future[tuple[Any, int]] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Checkpoint(run_id, epoch, name, payload, started_at, compensable, done))
+        self._enqueue(_Checkpoint(run_id, epoch, name, payload, started_at, compensable,
+                                  position, done))
         return await done
 
     async def complete(self, run_id: str, epoch: int, payload: str) -> None:
@@ -89,11 +103,28 @@ class GroupCommitter:
         self._enqueue(_Completion(run_id, epoch, payload, done))
         await done
 
-    def _enqueue(self, item: _Checkpoint | _Completion) -> None:
+    def _enqueue(self, item: _Write) -> None:
         if self._closed:
             raise RuntimeError("the worker's group committer is closed")
         self._pending.append(item)
         self._wakeup.set()
+
+    def _retry_later(self, item: _Write) -> None:
+        """Queue a busy write again after a pause that grows with its tries."""
+        item.tries += 1
+        if self._closing:  # nobody will flush it: its run is abandoned, its lease expires
+            item.done.set_exception(RunBusy(f"run {item.run_id} still busy at shutdown"))
+            return
+        pause = min(_BUSY_PAUSE_FIRST * 2 ** (item.tries - 1), _BUSY_PAUSE_MAX)
+        asyncio.get_running_loop().call_later(pause, self._requeue, item)
+
+    def _requeue(self, item: _Write) -> None:
+        if item.done.done():  # its run was cancelled meanwhile
+            return
+        if self._closing:
+            item.done.set_exception(RunBusy(f"run {item.run_id} still busy at shutdown"))
+            return
+        self._enqueue(item)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -107,21 +138,31 @@ class GroupCommitter:
             del self._pending[: self._max_batch]
             try:
                 await self._flush(batch)
-            except Exception as exc:  # a broken connection fails this batch's runs only
-                logger.warning("group commit of %d writes failed: %s", len(batch), exc)
+            except Exception as exc:
+                if is_contention(exc) or is_connection_failure(exc):
+                    # the connection failed (or, rarely, the batch lost a deadlock): each run
+                    # sorts that out as for any write of its own
+                    logger.warning("group commit of %d writes failed: %s", len(batch), exc)
+                    _fail_all(batch, exc)
+                    continue
+                # the database refused the batch for one item's content: write them one by
+                # one, so only the culprit gets the error
+                logger.warning("group commit of %d writes refused (%s); writing them one by one",
+                               len(batch), exc)
                 for item in batch:
-                    if not item.done.done():
-                        item.done.set_exception(exc)
+                    try:
+                        await self._flush([item])
+                    except Exception as item_exc:
+                        _fail_all([item], item_exc)
 
-    async def _flush(self, batch: list[_Checkpoint | _Completion]) -> None:
+    async def _flush(self, batch: list[_Write]) -> None:
         checkpoints = [item for item in batch if isinstance(item, _Checkpoint)]
         completions = [item for item in batch if isinstance(item, _Completion)]
         async with self._pool.connection() as conn:
             with translated_errors():
                 # the two calls touch different runs, so each commits on its own: the sync
-                # between them ends the first's transaction (without it both would share one,
-                # which locks runs out of id order and can deadlock with a heartbeat);
-                # pipelined, they still cost one round trip together
+                # between them ends the first's transaction; pipelined, they still cost one
+                # round trip together
                 async with conn.pipeline() as pipeline:
                     checkpoint_cursor = completion_cursor = None
                     if checkpoints:
@@ -134,6 +175,7 @@ class GroupCommitter:
                                 [c.payload for c in checkpoints],
                                 [c.started_at for c in checkpoints],
                                 [c.compensable for c in checkpoints],
+                                [c.position for c in checkpoints],
                             ),
                         )
                         await pipeline.sync()
@@ -151,19 +193,25 @@ class GroupCommitter:
                     completion_rows = (
                         await completion_cursor.fetchall() if completion_cursor else [])
         # rows come back in input order, one per item
-        for item, (run_id, name, lease_lost, output, seq) in zip(
+        for item, (_, name, lease_lost, busy, output, seq) in zip(
                 checkpoints, checkpoint_rows, strict=True):
-            _settle(item.done, lease_lost, f"checkpoint of step {name!r}", run_id, (output, seq))
-        for completion, (run_id, lease_lost) in zip(completions, completion_rows, strict=True):
-            _settle(completion.done, lease_lost, "completion", run_id, None)
+            self._settle(item, lease_lost, busy, f"checkpoint of step {name!r}", (output, seq))
+        for completion, (_, lease_lost, busy) in zip(
+                completions, completion_rows, strict=True):
+            self._settle(completion, lease_lost, busy, "completion", None)
+
+    def _settle(self, item: _Write, lease_lost: bool, busy: bool, what: str, value: Any) -> None:
+        if item.done.done():  # the run's task was cancelled meanwhile
+            return
+        if busy:
+            self._retry_later(item)
+        elif lease_lost:
+            item.done.set_exception(LeaseLost(f"{what} of run {item.run_id} refused: lease lost"))
+        else:
+            item.done.set_result(value)
 
 
-def _settle(
-    done: asyncio.Future[Any], lease_lost: bool, what: str, run_id: str, value: Any
-) -> None:
-    if done.done():  # the run's task was cancelled meanwhile
-        return
-    if lease_lost:
-        done.set_exception(LeaseLost(f"{what} of run {run_id} refused: lease lost"))
-    else:
-        done.set_result(value)
+def _fail_all(batch: list[_Write], exc: BaseException) -> None:
+    for item in batch:
+        if not item.done.done():
+            item.done.set_exception(exc)

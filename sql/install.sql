@@ -44,4 +44,16 @@ select not exists (select from schema_migrations where version = 2) as apply_mig
     insert into schema_migrations (version, name) values (2, '0002_dashboard_views');
 \endif
 
+select not exists (select from schema_migrations where version = 3) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0003_hardening.sql
+    insert into schema_migrations (version, name) values (3, '0003_hardening');
+\endif
+
+select not exists (select from schema_migrations where version = 4) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0004_dashboards_at_scale.sql
+    insert into schema_migrations (version, name) values (4, '0004_dashboards_at_scale');
+\endif
+
 commit;

@@ -111,3 +111,18 @@ def wait_for(condition: Callable[[], Any], timeout: float = 20, interval: float 
 def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
     row = conn.execute(query, params).fetchone()
     return None if row is None else row[0]
+
+
+def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, depth first."""
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from plan_nodes(child)
+
+
+def seq_scanned(conn: psycopg.Connection[Any], query: str, *params: Any) -> set[str]:
+    """The tables the plan of ``query`` reads with a sequential scan."""
+    plan = conn.execute(f"explain (format json) {query}", params).fetchone()
+    assert plan is not None
+    return {node["Relation Name"] for node in plan_nodes(plan[0][0]["Plan"])
+            if node["Node Type"] == "Seq Scan"}

@@ -14,7 +14,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import flowly
-from flowly.db import Calls
+from flowly.db import Calls, translated_errors
 from flowly.group_commit import GroupCommitter
 from tests import workflows
 from tests.support import running_worker, scalar, wait_for
@@ -36,10 +36,14 @@ def test_completed_steps_are_replayed_not_executed(dsn: str, client: flowly.Clie
     assert workflows.CALLS[run_id] == ["counted"]  # executed once over two attempts
     assert run.attempt == 2 and run.output["attempt"] == 2
     stored = client.steps(run_id)
-    assert [s.name for s in stored] == ["counted"]
+    child = run.output["child"]
+    # the child's start is recorded in the body's order, after the step
+    assert [(s.name, s.kind, s.output) for s in stored][1:] == [
+        (f"start:{child}", "start", child)]
+    assert stored[0].name == "counted"
     assert run.output["first"] == stored[0].output  # the replay returned the stored output
     children = client.list_runs(workflow="quick")
-    assert [c.id for c in children] == [run.output["child"]]  # started once, not twice
+    assert [c.id for c in children] == [child]  # started once, not twice
     assert children[0].parent_run_id == run_id
 
 
@@ -305,7 +309,7 @@ def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     assert scalar(db, "select flowly.checkpoint('r1', %s, 's', '3')", taken) == 2  # first wins
     lost = db.execute("select * from flowly.heartbeat('w1', array['r1'], array[%s]::bigint[],"
                       " '30 seconds')", (epoch,)).fetchall()
-    assert lost == [("r1",)]
+    assert lost == [("r1", "lost")]
 
 
 def _compensating_run(db: psycopg.Connection[Any], run_id: str, timeout: str) -> int:
@@ -347,22 +351,19 @@ def test_cancelling_a_saga_midway_records_compensation_not_ok(
 def test_a_racing_duplicate_checkpoint_returns_the_first_output(
     dsn: str, db: psycopg.Connection[Any],
 ) -> None:
-    """Two writers of the same step at the same epoch: the second waits for the first to
-    commit, then gets the stored output back (not null, not its own)."""
+    """Two writers of the same step at the same epoch: the second is told the run is busy
+    (WF005, it never queues behind the first), and once the first committed it gets the
+    stored output back (not null, not its own)."""
     db.execute("select flowly.start('quick', run_id => 'r1')")
     epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
                        " array['default'], 1, '1 hour')")
-    second: list[Any] = []
     with psycopg.connect(dsn) as first:
         first.execute("select flowly.checkpoint('r1', %s, 's', '\"first\"')", (epoch,))
-        racer = threading.Thread(target=lambda: second.append(scalar(
-            db, "select flowly.checkpoint('r1', %s, 's', '\"second\"')", epoch)))
-        racer.start()
-        wait_for(lambda: scalar(first, "select count(*) from pg_stat_activity"
-                                       " where wait_event_type = 'Lock'"), what="second waits")
+        with pytest.raises(flowly.RunBusy):
+            with translated_errors():
+                db.execute("select flowly.checkpoint('r1', %s, 's', '\"second\"')", (epoch,))
         first.commit()
-        racer.join(10)
-    assert second == ["first"]
+    assert scalar(db, "select flowly.checkpoint('r1', %s, 's', '\"second\"')", epoch) == "first"
 
 
 def test_many_runs_share_a_handful_of_connections(dsn: str, client: flowly.Client,
@@ -605,7 +606,7 @@ def test_a_flush_commits_its_checkpoints_and_completions_apart(
             # both queued before the flushers start, so they go in one flush
             writes = [
                 asyncio.ensure_future(committer.checkpoint(
-                    "r1", epochs["r1"], "s", "1", datetime.now(UTC), False)),
+                    "r1", epochs["r1"], "s", "1", datetime.now(UTC), False, 1)),
                 asyncio.ensure_future(committer.complete("r2", epochs["r2"], "not json")),
             ]
             await asyncio.sleep(0)
@@ -615,7 +616,10 @@ def test_a_flush_commits_its_checkpoints_and_completions_apart(
             return results
 
     results = asyncio.run(flush_both())
-    assert all(isinstance(result, psycopg.DataError) for result in results), results
+    # the batch is refused for the completion's content; written again one by one, only the
+    # completion fails
+    assert isinstance(results[1], psycopg.DataError), results
+    assert results[0][0] == 1, results
     assert scalar(db, "select count(*) from flowly.steps where run_id = 'r1'") == 1
     assert scalar(db, "select status from flowly.runs where id = 'r2'") == "running"
 
@@ -649,9 +653,10 @@ def test_batch_writes_of_one_worker_do_not_deadlock(dsn: str, db: psycopg.Connec
                         n += 1
                         conn.execute(
                             "select count(*) from flowly.checkpoint_steps(%s, %s, %s, %s::jsonb[],"
-                            " %s, %s)",
+                            " %s, %s, %s)",
                             (ids, epochs, [f"{kind}-{n}"] * len(ids), ["1"] * len(ids),
-                             [datetime.now(UTC)] * len(ids), [False] * len(ids)))
+                             [datetime.now(UTC)] * len(ids), [False] * len(ids),
+                             [n] * len(ids)))
                     calls[0] += 1
         except BaseException as exc:  # reported below
             errors.append(exc)

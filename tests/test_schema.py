@@ -25,7 +25,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY, install, install_dsn, installed_versions, migrations
 from tests import sqllint, workflows  # noqa: F401 (registers the workflows workers run)
-from tests.support import running_worker
+from tests.support import plan_nodes, running_worker
 
 requires_psql = pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not on PATH")
 
@@ -215,7 +215,8 @@ def test_psql_install_is_idempotent(empty_dsn: str) -> None:
     unchanged; a later ``flowly install`` agrees that nothing is missing."""
     first = run_psql(empty_dsn)
     assert "CREATE FUNCTION" in first.stdout
-    assert first.stdout.count("INSERT 0 1") == len(migrations())
+    # one per migration recorded, plus the seed row of flowly.settings (0003)
+    assert first.stdout.count("INSERT 0 1") == len(migrations()) + 1
     before = catalog(empty_dsn)
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         applied_at = conn.execute("select version, applied_at from flowly.schema_migrations"
@@ -262,8 +263,9 @@ def test_psql_install_into_a_schema_with_a_space(empty_dsn: str) -> None:
         assert conn.execute("select to_regnamespace('flowly')").fetchone() == (None,)
         # every function pins its own schema, quoted
         configs = conn.execute(
-            "select distinct array_to_string(proconfig, ',') from pg_proc"
-            " where pronamespace = to_regnamespace('\"other schema\"')").fetchall()
+            "select distinct c from pg_proc, unnest(proconfig) c"
+            " where pronamespace = to_regnamespace('\"other schema\"')"
+            " and c like 'search_path=%'").fetchall()
         assert configs == [('search_path="other schema", pg_catalog, pg_temp',)]
         start_and_claim(conn, "other schema")
     assert catalog(empty_dsn, "other schema")["migrations"] == migration_rows()
@@ -558,7 +560,8 @@ def test_functions_in_the_database_pin_search_path(db: psycopg.Connection[Any]) 
     unpinned = [name for name, config in rows
                 if not any(c.startswith("search_path=") for c in config or ())]
     assert unpinned == []
-    assert {tuple(config) for _, config in rows} == {("search_path=flowly, pg_catalog, pg_temp",)}
+    assert {c for _, config in rows for c in config if c.startswith("search_path=")} == {
+        "search_path=flowly, pg_catalog, pg_temp"}
 
 
 # --- behaviour under a foreign search_path -------------------------------------------------
@@ -635,14 +638,23 @@ def test_api_ignores_shadowing_objects_on_the_callers_search_path(dsn: str) -> N
 
 # The candidate query of flowly.claim, copied from its body (the test checks it still is).
 CLAIM_CANDIDATES = """
-    select r.id from runs r
-    where r.status in ('pending', 'running', 'compensating')
-      and r.available_at <= now()
-      and r.workflow = any(p_workflows)
-      and r.queue = any(p_queues)
-    order by r.priority desc, r.available_at
-    limit p_limit
-    for update skip locked
+                    select r.id from runs r
+                    where r.queue = v_queue and r.priority = v_priority
+                      and r.status in ('pending', 'running', 'compensating')
+                      and r.available_at <= now()
+                      and r.workflow = any(p_workflows)
+                      and (r.timeout_at is null or r.timeout_at >= now()
+                           or r.status = 'compensating')
+                    order by r.available_at
+                    limit p_limit - cardinality(v_ids)
+                    for update skip locked
+"""
+CLAIM_LEVELS = """
+            select r.priority from runs r
+            where r.queue = q.name and r.status in ('pending', 'running', 'compensating')
+              and (v_priority is null or r.priority < v_priority)
+            order by r.priority desc
+            limit 1
 """
 
 
@@ -650,20 +662,21 @@ def _squash(text: str) -> str:
     return " ".join(text.split())
 
 
-def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from _plan_nodes(child)
+def _explain(db: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> dict[str, Any]:
+    plan = db.execute(f"explain (analyze, buffers, format json) {query}", params).fetchone()[0]
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    return plan[0]["Plan"]  # type: ignore[no-any-return]
 
 
-def test_claim_uses_the_partial_index_over_large_history(db: psycopg.Connection[Any]) -> None:
-    """With 100k finished runs and a few pending ones (analyzed), the claim's candidate query
-    (custom and generic plans alike) reads index runs_claimable and never scans runs
-    sequentially; claim hands out exactly the due pending runs."""
-    body = db.execute("select prosrc from pg_proc where oid = 'flowly.claim'::regproc"
-                      ).fetchone()[0]
-    assert _squash(CLAIM_CANDIDATES) in _squash(body), (
-        "flowly.claim's candidate query changed: update CLAIM_CANDIDATES")
+def test_claim_reads_only_due_runs_of_its_queues(db: psycopg.Connection[Any]) -> None:
+    """With 100k finished runs, 50k sleeping runs in the claimed queue and 50k due runs of
+    another queue (analyzed), claim's two queries (the next priority level; the due runs of
+    one level) read index runs_claimable for a handful of buffers, never a sequential scan;
+    claim hands out exactly the due pending runs, highest priority first."""
+    body = _squash(db.execute("select prosrc from pg_proc where oid = 'flowly.claim'::regproc"
+                              ).fetchone()[0])
+    for query in (CLAIM_CANDIDATES, CLAIM_LEVELS):
+        assert _squash(query) in body, "flowly.claim changed: update CLAIM_CANDIDATES/LEVELS"
 
     db.execute("""
         insert into flowly.runs (id, workflow, status, created_at, started_at, finished_at,
@@ -671,30 +684,33 @@ def test_claim_uses_the_partial_index_over_large_history(db: psycopg.Connection[
         select 'done-' || g, 'wf', 'completed', now() - interval '1 day',
                now() - interval '1 day', now() - interval '1 day' + g * interval '1 ms', '1'
         from generate_series(1, 100000) g""")
-    pending = {db.execute("select flowly.start('wf', to_jsonb(%s::int), priority => %s)",
-                          (i, i % 3)).fetchone()[0] for i in range(5)}
-    db.execute("select flowly.start('wf', scheduled_for => now() + interval '1 hour')")
+    db.execute("""
+        insert into flowly.runs (id, workflow, scheduled_for)
+        select 'sleeping-' || g, 'wf', now() + interval '1 hour'
+        from generate_series(1, 50000) g""")
+    db.execute("""
+        insert into flowly.runs (id, workflow, queue)
+        select 'foreign-' || g, 'wf', 'other' from generate_series(1, 50000) g""")
+    pending = [db.execute("select flowly.start('wf', to_jsonb(%s::int), priority => %s)",
+                          (i, i % 3)).fetchone()[0] for i in range(5)]
     db.execute("analyze flowly.runs")
 
-    query = _squash(CLAIM_CANDIDATES).replace("from runs r", "from flowly.runs r")
-    query = (query.replace("p_workflows", "$1").replace("p_queues", "$2")
-             .replace("p_limit", "$3"))
-    db.execute(f"prepare claim_candidates (text[], text[], integer) as {query}")
-    for mode in ("force_custom_plan", "force_generic_plan"):
-        db.execute(f"set plan_cache_mode = {mode}")
-        plan = db.execute("explain (format json) execute claim_candidates"
-                          "(array['wf'], array['default'], 10)").fetchone()[0]
-        plan = plan if isinstance(plan, list) else json.loads(plan)
-        nodes = list(_plan_nodes(plan[0]["Plan"]))
-        on_runs = [n for n in nodes if n.get("Relation Name") == "runs"
-                   or n.get("Index Name", "").startswith("runs")]
-        assert [n for n in on_runs if n["Node Type"] == "Seq Scan"] == [], (mode, plan)
-        assert "runs_claimable" in {n.get("Index Name") for n in nodes}, (mode, plan)
-    db.execute("reset plan_cache_mode")
+    candidates = (_squash(CLAIM_CANDIDATES).replace("from runs r", "from flowly.runs r")
+                  .replace("v_queue", "%s").replace("v_priority", "%s")
+                  .replace("p_workflows", "%s").replace("p_limit - cardinality(v_ids)", "%s"))
+    levels = (_squash(CLAIM_LEVELS).replace("from runs r", "from flowly.runs r")
+              .replace("q.name", "%s").replace("v_priority is null or ", "")
+              .replace("v_priority", "%s"))
+    for query, params in [(candidates, ("default", 0, ["wf"], 10)),
+                          (levels, ("default", 2**31 - 1))]:
+        plan = _explain(db, query, params)
+        nodes = list(plan_nodes(plan))
+        assert [n for n in nodes if n["Node Type"] == "Seq Scan"] == [], plan
+        assert "runs_claimable" in {n.get("Index Name") for n in nodes}, plan
+        touched = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+        assert touched < 50, (touched, plan)
 
     claimed = db.execute("select run_id, status from flowly.claim('w', array['wf'],"
                          " array['default'], 100, '1 minute')").fetchall()
-    assert {r[0] for r in claimed} == pending
+    assert [r[0] for r in claimed] == [pending[2], pending[1], pending[4], pending[0], pending[3]]
     assert {r[1] for r in claimed} == {"running"}
-    assert db.execute("select count(*) from flowly.runs where status = 'pending'"
-                      ).fetchone() == (1,)

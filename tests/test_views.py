@@ -169,7 +169,7 @@ def populate(api: Api) -> Mix:
                         ["o-running", "o-compensating", "e-cancel-running"],
                         [epochs["o-running"], epochs["o-compensating"],
                          epochs["e-cancel-running"]], timedelta(hours=1))
-    assert not_held == [("e-cancel-running",)]
+    assert not_held == [("e-cancel-running", "lost")]
     return Mix(epochs, oldest_started)
 
 

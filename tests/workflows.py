@@ -292,3 +292,89 @@ async def alarm(ctx: flowly.Context, inp: dict[str, Any]) -> float:
 async def kills_its_worker(ctx: flowly.Context, inp: Any) -> None:
     """A step that ends the worker process itself, as a segfault or the OOM killer would."""
     await ctx.step("die", lambda: os._exit(3))
+
+
+@flowly.workflow("echo")
+async def echo(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    """One async step that waits ``wait`` seconds and returns ``value``."""
+    async def give() -> Any:
+        await asyncio.sleep(inp.get("wait", 0))
+        return inp["value"]
+
+    return await ctx.step("echo", give)
+
+
+@flowly.workflow("keyed_parent")
+async def keyed_parent(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """Starts a child under a concurrency key another run holds (so start returns that run);
+    on its first attempt it then frees the key (cancels the holder) and fails, so the retry
+    replays the start with the key free."""
+    child = await ctx.start("quick", None, concurrency_key=inp["key"])
+    if ctx.attempt == 1:
+        def free_the_key() -> None:
+            with psycopg.connect(os.environ["FLOWLY_DSN"], autocommit=True) as conn:
+                conn.execute("select flowly.cancel(%s)", (inp["holder"],))
+
+        await ctx.step("free_the_key", free_the_key)
+        raise RuntimeError("fail once, after the key was freed")
+    return child
+
+
+@flowly.workflow("parallel_saga")
+async def parallel_saga(ctx: flowly.Context, inp: Any) -> Any:
+    """A compensable step, then two in parallel: one fails at once for good, its compensable
+    sibling finishes later. Both completed steps must be compensated."""
+    log = CALLS[ctx.run_id]
+
+    def undo(output: str) -> None:
+        log.append(f"undo:{output}")
+
+    async def fail_now() -> None:
+        raise ValueError("fails at once")
+
+    async def finish_later() -> str:
+        await asyncio.sleep(0.5)
+        log.append("do:late")
+        return "late"
+
+    await ctx.step("first", lambda: "first", compensate=undo)
+    return await asyncio.gather(
+        ctx.step("fails", fail_now, retry=flowly.Retry(max_attempts=1)),
+        ctx.step("late", finish_later, compensate=undo),
+    )
+
+
+@flowly.workflow("cooling_saga")
+async def cooling_saga(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """reserve (compensable), a durable cooling sleep, charge (fails while the run id is in
+    SAGA_FAILS); every execution logs its time and its idempotency key."""
+    log = CALLS[ctx.run_id]
+
+    def reserve() -> str:
+        log.append(f"reserve {time.time()} {ctx.idempotency_key('reserve')}")
+        return "reserved"
+
+    def charge() -> str:
+        log.append(f"charge {time.time()} {ctx.idempotency_key('charge')}")
+        if ctx.run_id in SAGA_FAILS:
+            raise ValueError("card declined")
+        return "charged"
+
+    await ctx.step("reserve", reserve, compensate=lambda out: log.append(f"release {out}"))
+    await ctx.sleep("cooling", inp["cooling"])
+    return str(await ctx.step("charge", charge, retry=flowly.Retry(max_attempts=1)))
+
+
+@flowly.workflow("many_steps")
+async def many_steps(ctx: flowly.Context, inp: dict[str, Any]) -> int:
+    """``n`` numbered steps, then a final one; executions are logged in CALLS."""
+    log = CALLS[ctx.run_id]
+
+    async def numbered(i: int) -> int:
+        log.append(f"s{i}")
+        return i
+
+    total = 0
+    for i in range(inp["n"]):
+        total += await ctx.step(f"s{i}", numbered, i)
+    return total + int(await ctx.step("final", numbered, -1))

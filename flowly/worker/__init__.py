@@ -33,15 +33,16 @@ from ..context import (
     Interrupt,
     LeaseLostInterrupt,
     RunAbandoned,
-    StoredStep,
     call_user_function,
     cancel_requested,
     error_info,
+    run_write,
     serialise_output,
 )
 from ..db import Calls, translated_errors
 from ..errors import LeaseLost
 from ..group_commit import GroupCommitter
+from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schema import install_dsn
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
@@ -51,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 # how long cancelled runs get to unwind at shutdown before they are released anyway
 _CANCEL_GRACE = 2.0
+# how long the release of unfinished runs at shutdown may take before the worker exits anyway
+_RELEASE_TIMEOUT = 5.0
+# how long an engine call waits for a lock before it reports the run busy; the hot path
+# skips locked rows anyway, this bounds the rest (a start behind an uncommitted concurrency key)
+_LOCK_TIMEOUT = "2s"
+# rows and bytes of replay data one read fetches
+_REPLAY_PAGE_ROWS = 500
 
 __all__ = ["Worker"]
 
@@ -76,30 +84,31 @@ class _RunStore:
         self._held = held
 
     async def checkpoint(
-        self, name: str, payload: str, started_at: datetime, compensable: bool
+        self, name: str, payload: str, started_at: datetime, compensable: bool, position: int
     ) -> tuple[Any, int]:
         return await self._worker._committer.checkpoint(
-            self._held.run_id, self._held.epoch, name, payload, started_at, compensable
+            self._held.run_id, self._held.epoch, name, payload, started_at, compensable, position
         )
 
     async def sleep(
-        self, name: str, wake_at: datetime | None, seconds: float | None
+        self, name: str, wake_at: datetime | None, seconds: float | None, position: int
     ) -> tuple[datetime, bool]:
         row = await self._worker._call_one(
-            self._worker._calls.sleep, (self._held.run_id, self._held.epoch, name, wake_at, seconds)
+            self._worker._calls.sleep,
+            (self._held.run_id, self._held.epoch, name, wake_at, seconds, position),
         )
         return row[0], row[1]
 
     async def fail_step(
         self, name: str, error: dict[str, Any], started_at: datetime, retry: Retry,
-        retryable: bool,
+        retryable: bool, position: int,
     ) -> str:
         row = await self._worker._call_one(
             self._worker._calls.fail_step,
             (
                 self._held.run_id, self._held.epoch, name, Jsonb(error),
                 started_at, retry.max_attempts, retry.backoff, retry.initial_delay_seconds,
-                retry.max_delay_seconds, retryable,
+                retry.max_delay_seconds, retryable, position,
             ),
         )
         logger.info("run %s step %r failed (%s): %s", self._held.run_id, name, row[0],
@@ -108,13 +117,19 @@ class _RunStore:
 
     async def start_run(
         self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
-        defaults: Workflow | None,
+        defaults: Workflow | None, record: str, position: int,
     ) -> str:
         params = start_params(workflow, input, run_id, options, defaults)
         params["parent_run_id"] = self._held.run_id
         params["parent_lease_epoch"] = self._held.epoch
+        params["parent_step"] = record
+        params["parent_position"] = position
         row = await self._worker._call_one(self._worker._calls.start, params)
         return str(row[0])
+
+    async def read_page(self, after_seq: int) -> list[Any]:
+        return await self._worker._call(
+            self._worker._calls.replay, (self._held.run_id, after_seq, _REPLAY_PAGE_ROWS))
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._worker._step_threads.run(fn, *args)
@@ -196,7 +211,7 @@ class Worker:
                 await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
             self._pool = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=self.max_connections, open=False,
-                kwargs={"autocommit": True}, name="flowly-worker",
+                kwargs={"autocommit": True}, name="flowly-worker", configure=_configure,
             )
             await self._pool.open()
             try:
@@ -232,6 +247,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._committer.close()
+            self._step_threads.close()
             try:
                 await self._call(self._calls.unregister_worker, (self.worker_id,))
             except Exception as exc:  # the worker row expires by itself
@@ -263,7 +279,7 @@ class Worker:
             (self.worker_id, list(self.workflows), self.queues, limit,
              timedelta(seconds=self.lease)),
         )
-        for run_id, workflow, status, input, attempt, epoch, steps, timers in rows:
+        for run_id, workflow, status, input, attempt, generation, epoch, has_history in rows:
             stale = self._held.get(run_id)
             if stale is not None and stale.task is not None:
                 # our own run, whose lease expired while its heartbeats failed (a database
@@ -274,8 +290,8 @@ class Worker:
             held = _Held(run_id, epoch)
             self._held[run_id] = held
             held.task = asyncio.create_task(
-                self._execute(held, self.workflows[workflow], status, input, attempt, steps,
-                              timers),
+                self._execute(held, self.workflows[workflow], status, input, attempt, generation,
+                              has_history),
                 name=f"flowly-run-{run_id}",
             )
             # a callback, not a finally in _execute: it runs even if the task is cancelled
@@ -325,13 +341,20 @@ class Worker:
                 logger.warning("heartbeat failed: %s", exc)
                 continue
             beaten = {h.run_id: h for h in held}
-            for (run_id,) in rows:
+            for run_id, outcome in rows:
+                if outcome == "busy":  # its row is locked elsewhere: extended at a later beat
+                    logger.info("run %s busy: its lease was not extended this time", run_id)
+                    continue
                 lost = beaten[run_id]
                 # the run may have been released and claimed again, with a new epoch, while this
                 # heartbeat was in flight: only the execution it was sent for is lost
                 if self._held.get(run_id) is lost and lost.task is not None:
                     logger.warning("lease lost on run %s: cancelling it here", run_id)
                     lost.task.cancel()
+            try:  # upkeep of the dashboard counters (flowly.run_counts), as often as this
+                await self._call(self._calls.fold_run_counts, ())
+            except Exception as exc:
+                logger.warning("folding the run counters failed: %s", exc)
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]
@@ -352,9 +375,9 @@ class Worker:
             # bumps the epoch, so nothing it writes afterwards can land
             await asyncio.wait(tasks, timeout=_CANCEL_GRACE)
         try:
-            rows = await self._call(
+            rows = await asyncio.wait_for(self._call(
                 self._calls.release, ([h.run_id for h in unfinished], [h.epoch for h in unfinished])
-            )
+            ), _RELEASE_TIMEOUT)
         except Exception as exc:
             logger.warning("could not release %d run(s); other workers take them when their"
                            " leases expire: %s", len(unfinished), exc)
@@ -365,21 +388,16 @@ class Worker:
 
     async def _execute(
         self, held: _Held, workflow: Workflow, status: str, input: Any, attempt: int,
-        steps: dict[str, Any], timers: dict[str, Any],
+        generation: int, has_history: bool,
     ) -> None:
+        store = _RunStore(self, held)
         ctx = Context(
             run_id=held.run_id,
             workflow=workflow.name,
             attempt=attempt,
-            store=_RunStore(self, held),
-            steps={
-                name: StoredStep(s["status"], s["output"], s["seq"], s["compensable"],
-                                 s["compensation_status"])
-                for name, s in steps.items()
-            },
-            timers={
-                name: (datetime.fromisoformat(t["wake_at"]), t["due"]) for name, t in timers.items()
-            },
+            generation=generation,
+            store=store,
+            history=ReplayLog(store.read_page if has_history else None),
             compensating=status == "compensating",
             default_retry=self.default_retry,
         )
@@ -400,14 +418,16 @@ class Worker:
         """Run the workflow body; returns 'compensate' when the saga must run, else 'done'.
 
         Only failures of the body itself (or an output that is not JSON) go to ``fail_run``;
-        a failed engine write propagates to :meth:`_execute`.
+        a lost lease or connection propagates to :meth:`_execute` as an interrupt.
         """
         try:
             result = await workflow.fn(ctx, input)
+            await ctx.settled()  # parallel steps the body left behind land first
             if ctx.compensating:
                 return "compensate"
             payload = serialise_output(result, f"workflow {workflow.name!r}")
         except CompensateInterrupt as interrupt:
+            await ctx.settled()  # siblings that were still finishing join the saga
             return interrupt.decision
         except (LeaseLostInterrupt, RunAbandoned):
             raise
@@ -416,26 +436,29 @@ class Worker:
         except BaseException as exc:  # the body itself failed: the database decides what next
             if cancel_requested(exc):
                 raise
+            await ctx.settled()
             if ctx.compensating:
                 return "compensate"
             logger.info("run %s failed outside a step: %r", held.run_id, exc)
-            row = await self._call_one(
-                self._calls.fail_run,
-                (held.run_id, held.epoch, Jsonb(error_info(exc))),
-            )
+            row = await run_write(held.run_id, partial(
+                self._call_one, self._calls.fail_run,
+                (held.run_id, held.epoch, Jsonb(error_info(exc)))))
             return str(row[0])
-        await self._committer.complete(held.run_id, held.epoch, payload)
+        await run_write(held.run_id,
+                        partial(self._committer.complete, held.run_id, held.epoch, payload))
         return "done"
 
     async def _compensate(self, held: _Held, ctx: Context) -> None:
-        """Run the compensations of completed steps, newest first, storing each outcome."""
+        """Run the compensations of completed steps, last reached first (body order, which a
+        retried generation keeps), storing each outcome."""
+        recorded = await ctx.history.read_all()
         pending = sorted(
             (
-                (name, step) for name, step in ctx.steps.items()
-                if step.status == "completed" and step.compensable
-                and step.compensation_status is None
+                (name, step) for name, step in recorded.items()
+                if isinstance(step, StoredStep) and step.status == "completed"
+                and step.compensable and step.compensation_status is None
             ),
-            key=lambda item: item[1].seq,
+            key=lambda item: (item[1].position or 0, item[1].seq),
             reverse=True,
         )
         store = _RunStore(self, held)
@@ -455,12 +478,11 @@ class Worker:
                     error = error_info(exc)
                     logger.warning("compensation of step %r in run %s failed: %s",
                                    name, held.run_id, exc)
-            await self._call(
-                self._calls.record_compensation,
-                (held.run_id, held.epoch, name,
-                 None if error is None else Jsonb(error)),
-            )
-        ok = await self._call_one(self._calls.finish_compensation, (held.run_id, held.epoch))
+            await run_write(held.run_id, partial(
+                self._call, self._calls.record_compensation,
+                (held.run_id, held.epoch, name, None if error is None else Jsonb(error))))
+        ok = await run_write(held.run_id, partial(
+            self._call_one, self._calls.finish_compensation, (held.run_id, held.epoch)))
         logger.info("run %s dead-lettered after compensation (all succeeded: %s)",
                     held.run_id, ok[0])
 
@@ -476,3 +498,8 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Session settings of the worker's pooled connections."""
+    await conn.execute("select set_config('lock_timeout', %s, false)", (_LOCK_TIMEOUT,))

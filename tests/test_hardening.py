@@ -1,0 +1,433 @@
+"""The guarantees under attack: locked rows, refused batches, exact replay, big histories.
+
+Each test reproduces a way the engine broke in ordinary situations (one run's data or one open
+transaction hurting other runs, a replay that was not exact after retries), with real workers
+and a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from flowly.worker.step_threads import StepThreads
+from tests import workflows
+from tests.support import running_worker, scalar, seq_scanned, wait_for
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+# --- isolation: one run's trouble never hurts another --------------------------------------
+
+def test_a_checkpoint_the_database_refuses_fails_only_its_own_run(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """30 runs checkpoint together; the database refuses one run's row (here a constraint of
+    the operator's). Only that run fails, with its own error and no retries; the others'
+    checkpoints land in the same flushes."""
+    db.execute("alter table flowly.steps add constraint no_poison"
+               " check (output is distinct from '\"poison\"')")
+    good = [client.start("echo", {"value": i, "wait": 0.3}) for i in range(29)]
+    bad = client.start("echo", {"value": "poison", "wait": 0.3})
+    with running_worker(dsn, concurrency=64):
+        runs = {r: client.wait(r, timeout=60) for r in [*good, bad]}
+    assert all(runs[r].status == "completed" for r in good), {
+        r: (runs[r].status, runs[r].error) for r in good if runs[r].status != "completed"}
+    assert [runs[r].output for r in good] == list(range(29))
+    culprit = runs[bad]
+    assert culprit.status == "dead_letter"
+    assert culprit.error["step"] == "echo"
+    assert "no_poison" in culprit.error["message"]
+    assert culprit.error["type"] == "CheckViolation"
+    assert len(client.failed_attempts(bad)) == 1  # refused output: no retry can change it
+
+
+def test_ids_and_names_too_long_to_checkpoint_are_refused_up_front(
+    client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A run id that could not be checkpointed is refused when the run is created (WF003,
+    naming the field and the limit), from Python and SQL alike."""
+    for field, options in [("run_id", {"run_id": "r" * 1001}), ("queue", {"queue": "q" * 1001}),
+                           ("concurrency_key", {"concurrency_key": "k" * 1001})]:
+        with pytest.raises(flowly.InvalidArgument, match=f"{field} is 1001 bytes long; the"
+                                                         " limit is 1000 bytes"):
+            client.start("quick", None, **options)
+    with pytest.raises(psycopg.Error) as info:
+        db.execute("select flowly.start(repeat('w', 2000))")
+    assert info.value.sqlstate == "WF003" and "workflow is 2000 bytes" in str(info.value)
+    epoch = _claim_one(db, "quick", "r1")
+    with pytest.raises(psycopg.Error) as info:
+        db.execute("select flowly.checkpoint('r1', %s, repeat('s', 1001), '1')", (epoch,))
+    assert info.value.sqlstate == "WF003"
+    assert scalar(db, "select count(*) from flowly.runs") == 1
+
+
+def _claim_one(db: psycopg.Connection[Any], workflow: str, run_id: str,
+               lease: str = "1 hour", worker: str = "w", input: str = "{}") -> int:
+    db.execute("select flowly.start(%s, %s, run_id => %s)", (workflow, input, run_id))
+    return int(scalar(db, "select lease_epoch from flowly.claim(%s, array[%s], array['default'],"
+                          " 1, %s::interval)", worker, workflow, lease))
+
+
+def test_a_run_locked_by_an_open_transaction_delays_only_itself(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """An operator's open transaction holds one run's row longer than the lease. The worker's
+    other runs keep their leases (never taken over, never re-executed); the locked run waits,
+    is taken over once the lock is gone, and that takeover is no poison evidence (the worker
+    was alive)."""
+    runs = [client.start("slow", {"seconds": 3}) for _ in range(5)]
+    locked, others = runs[0], runs[1:]
+    with running_worker(dsn, lease=1.0, concurrency=8):
+        wait_for(lambda: scalar(db, "select count(*) = 5 from flowly.runs"
+                                    " where status = 'running'"), what="all five running")
+        with psycopg.connect(dsn) as operator:
+            operator.execute("select * from flowly.runs where id = %s for update", (locked,))
+            time.sleep(2.5)  # 2.5 leases
+            for run_id in others:
+                assert scalar(db, "select locked_until > now() from flowly.runs where id = %s",
+                              run_id), "a healthy run's lease lapsed"
+        for run_id in runs:
+            assert client.wait(run_id, timeout=30).status == "completed"
+    epochs = dict(db.execute("select id, lease_epoch from flowly.runs").fetchall())
+    assert {epochs[r] for r in others} == {1}  # claimed once, never taken over
+    assert scalar(db, "select takeovers from flowly.runs where id = %s", locked) == 0
+
+
+def test_heartbeat_skips_a_locked_run_and_says_so(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """heartbeat never waits: a run whose row is locked elsewhere comes back 'busy', the others
+    are extended, a stale one comes back 'lost'."""
+    epochs = {r: _claim_one(db, "quick", r, "1 second") for r in ("a", "b", "c")}
+    db.execute("select flowly.register_worker('w', array['quick'], array['default'], '1s')")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select * from flowly.runs where id = 'b' for update")
+        started = time.monotonic()
+        rows = db.execute("select * from flowly.heartbeat('w', array['a', 'b', 'c'], %s,"
+                          " '1 hour')", ([epochs["a"], epochs["b"], epochs["c"] - 1],)).fetchall()
+        assert time.monotonic() - started < 1
+    assert sorted(rows) == [("b", "busy"), ("c", "lost")]
+    assert scalar(db, "select locked_until > now() + interval '50 minutes' from flowly.runs"
+                      " where id = 'a'")
+
+
+def test_cancel_of_a_locked_run_reports_busy_instead_of_hanging(
+    dsn: str, client: flowly.Client
+) -> None:
+    run_id = client.start("quick", None)
+    with psycopg.connect(dsn) as other:
+        other.execute("select * from flowly.runs where id = %s for update", (run_id,))
+        started = time.monotonic()
+        with pytest.raises(flowly.RunBusy, match="busy"):
+            client.cancel(run_id)
+        assert time.monotonic() - started < 15
+    assert client.cancel(run_id) == "cancelled"
+
+
+def test_only_takeovers_from_dead_workers_count_towards_poison(
+    db: psycopg.Connection[Any]
+) -> None:
+    """A lease that lapsed under a worker that still heartbeats is no evidence; one whose
+    worker stopped heartbeating is. The limit is the max_takeovers setting."""
+    db.execute("update flowly.settings set max_takeovers = 2")
+    db.execute("select flowly.register_worker('alive', array['quick'], array['default'], '1h')")
+    db.execute("select flowly.register_worker('dead', array['echo'], array['default'], '1s')")
+    db.execute("update flowly.workers set last_seen_at = now() - interval '1 minute'"
+               " where id = 'dead'")
+    _claim_one(db, "quick", "held-by-alive", "1 millisecond", "alive")
+    _claim_one(db, "echo", "held-by-dead", "1 millisecond", "dead")
+    time.sleep(0.01)
+    claim_all = ("select flowly.claim('other', array['quick', 'echo'], array['default'], 10,"
+                 " '1 ms')")
+    db.execute(claim_all)
+    takeovers = dict(db.execute("select id, takeovers from flowly.runs").fetchall())
+    assert takeovers == {"held-by-alive": 0, "held-by-dead": 1}
+
+    # 'other' never heartbeats: two more lapses make the run dead to the limit of 2
+    for _ in range(2):
+        time.sleep(0.01)
+        db.execute("update flowly.workers set last_seen_at = now() - interval '1 minute'")
+        db.execute(claim_all)
+    row = db.execute("select status, error ->> 'type' from flowly.runs"
+                     " where id = 'held-by-dead'").fetchone()
+    assert row == ("dead_letter", "PoisonRun")
+
+
+def test_worker_shutdown_does_not_wait_for_a_locked_run(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("slow", {"seconds": 30})
+    with psycopg.connect(dsn) as operator:
+        with running_worker(dsn, drain_timeout=0.2) as worker:
+            wait_for(lambda: scalar(db, "select status = 'running' from flowly.runs"
+                                        " where id = %s", run_id), what="the run running")
+            operator.execute("select * from flowly.runs where id = %s for update", (run_id,))
+            started = time.monotonic()
+            worker.stop()
+        assert time.monotonic() - started < 10  # the context manager joined the worker
+        operator.rollback()
+
+
+# --- exact replay ---------------------------------------------------------------------------
+
+def test_a_checkpoint_committed_while_claim_runs_is_replayed(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The former holder of a run (lease expired, token still current) writes a checkpoint
+    while a worker's claim is in progress (held up by another run's row). Either the claim
+    already holds the run and the write is refused (busy, then lost), or the write commits and
+    the new holder replays it: a committed checkpoint never runs again. (A claim that read the
+    run's steps before it locked the run missed such a checkpoint and ran the step twice.)"""
+    db.execute("""
+        create function public.slow_first_claim() returns trigger language plpgsql as $$
+        begin
+            if new.id = 'r0' and old.status = 'pending' and new.status = 'running' then
+                perform pg_sleep(1.5);
+            end if;
+            return new;
+        end $$""")
+    db.execute("create trigger slow_first_claim before update on flowly.runs"
+               " for each row execute function public.slow_first_claim()")
+    epoch = _claim_one(db, "three_steps", "r1", "1 millisecond", "former")
+    time.sleep(0.01)
+    db.execute("select flowly.start('three_steps', '{}', run_id => 'r0', priority => 1)")
+    with running_worker(dsn):
+        wait_for(lambda: scalar(db, "select count(*) from pg_stat_activity"
+                                    " where wait_event = 'PgSleep'"), what="claim under way")
+        try:
+            db.execute("select flowly.checkpoint('r1', %s, 'a', '{\"step\": \"a\", \"pid\": 0}')",
+                       (epoch,))
+            committed = True
+        except psycopg.Error as exc:
+            assert exc.sqlstate in ("WF005", "WF001"), exc
+            committed = False
+        run = client.wait("r1", timeout=30)
+        client.wait("r0", timeout=30)
+    assert run.status == "completed", run.error
+    executed = [r[0] for r in db.execute("select step from public.test_effects"
+                                         " where run_id = 'r1' order by at")]
+    if committed:
+        assert run.output["a"] == {"step": "a", "pid": 0} and executed == ["b", "c"]
+    else:
+        assert run.output["a"]["pid"] != 0 and executed == ["a", "b", "c"]
+
+
+def test_a_child_start_replays_the_recorded_id(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """start under a concurrency key held by another run returns that run; the retried body
+    (the key free by then) must get the same id back, not start a new child."""
+    holder = client.start("unserved", None, concurrency_key="k1")
+    run_id = client.start("keyed_parent", {"key": "k1", "holder": holder})
+    with running_worker(dsn, workflows=["keyed_parent", "quick"]):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.attempt == 2, run.error
+    assert run.output == holder
+    assert scalar(db, "select count(*) from flowly.runs where concurrency_key = 'k1'") == 1
+
+
+def test_a_parallel_sibling_that_finishes_after_a_failure_is_compensated(
+    dsn: str, client: flowly.Client
+) -> None:
+    run_id = client.start("parallel_saga", None)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "dead_letter" and run.error["step"] == "fails"
+    outcomes = {s.name: (s.status, s.compensation_status) for s in client.steps(run_id)}
+    assert outcomes == {"first": ("completed", "completed"), "late": ("completed", "completed"),
+                        "fails": ("failed", None)}
+    assert workflows.CALLS[run_id] == ["do:late", "undo:late", "undo:first"]
+    assert run.compensation_ok is True
+
+
+def test_after_retry_compensations_and_listings_follow_body_order(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """s1 and s3 are undone and re-run by retry_dead_letter, s2 is replayed: the second saga
+    still undoes s3, s2, s1 (body order, not checkpoint order), steps list in body order, and
+    the first saga's outcomes (s2's compensation error) stay in step_history."""
+    run_id = client.start("saga", None)
+    workflows.SAGA_FAILS.add(run_id)
+    log = workflows.CALLS[run_id]
+    with running_worker(dsn):
+        assert client.wait(run_id, timeout=30).status == "dead_letter"
+        log.clear()
+        client.retry_dead_letter(run_id)
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "dead_letter"
+    assert log == ["do:s1", "do:s3", "do:s4", "do:s4", "undo:s3", "undo:s2", "undo:s1"]
+    assert [s.name for s in client.steps(run_id)] == ["s1", "s2", "s3", "s4"]
+    history = db.execute("select generation, name, compensation_status,"
+                         " compensation_error ->> 'message' from flowly.step_history"
+                         " where run_id = %s order by position", (run_id,)).fetchall()
+    assert history == [(1, "s1", "completed", None),
+                       (1, "s2", "failed", "compensation of s2 failed"),
+                       (1, "s3", "completed", None), (1, "s4", None, None)]
+
+
+def test_retry_re_arms_the_sleep_between_re_run_steps_and_renews_idempotency_keys(
+    dsn: str, client: flowly.Client
+) -> None:
+    run_id = client.start("cooling_saga", {"cooling": 1.0})
+    workflows.SAGA_FAILS.add(run_id)
+    log = workflows.CALLS[run_id]
+    with running_worker(dsn):
+        assert client.wait(run_id, timeout=30).status == "dead_letter"
+        workflows.SAGA_FAILS.discard(run_id)
+        log.clear()
+        client.retry_dead_letter(run_id)
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.generation == 2
+    reserve, charge = (line.split() for line in log)
+    assert reserve[0] == "reserve" and charge[0] == "charge"
+    assert float(charge[1]) - float(reserve[1]) >= 0.9  # the cooling period lasted again
+    assert reserve[2] == f"{run_id}:reserve:g2" and charge[2] == f"{run_id}:charge:g2"
+
+
+# --- bounded work per call ------------------------------------------------------------------
+
+def test_a_long_history_is_replayed_in_pages(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A run whose 2,000 steps are checkpointed resumes and replays all of them (read page by
+    page, never as one value), executing only the step it had not reached."""
+    n = 2000
+    epoch = _claim_one(db, "many_steps", "long", "1 millisecond", "former", json.dumps({"n": n}))
+    db.execute("select flowly.checkpoint_steps(array_fill('long'::text, array[%(n)s]),"
+               " array_fill(%(e)s::bigint, array[%(n)s]),"
+               " array(select 's' || i from generate_series(0, %(n)s - 1) i),"
+               " array(select to_jsonb(i) from generate_series(0, %(n)s - 1) i),"
+               " array_fill(now(), array[%(n)s]), array_fill(false, array[%(n)s]),"
+               " array(select i + 1 from generate_series(0, %(n)s - 1) i))",
+               {"n": n, "e": epoch})
+    assert scalar(db, "select has_history from flowly.claim('w', array['many_steps'],"
+                      " array['default'], 10, '1 millisecond')") is True
+    time.sleep(0.01)
+    with running_worker(dsn):
+        run = client.wait("long", timeout=60)
+    assert run.status == "completed" and run.output == n * (n - 1) // 2 - 1
+    assert workflows.CALLS["long"] == ["s-1"]
+
+
+def test_replay_pages_are_bounded_in_rows_and_bytes(db: psycopg.Connection[Any]) -> None:
+    epoch = _claim_one(db, "quick", "big")
+    for i in range(6):
+        db.execute("select flowly.checkpoint('big', %s, %s, to_jsonb((select string_agg("
+                   "md5(random()::text), '') from generate_series(1, 4096))))", (epoch, f"s{i}"))
+    budget = scalar(db, "select sum(pg_column_size(output)) from flowly.steps"
+                        " where name in ('s0', 's1')")
+    # a row goes in while the bytes before it fit the budget: s2 does, s3 does not
+    page = db.execute("select name, more from flowly.replay('big', 0, 100, %s)",
+                      (budget,)).fetchall()
+    assert [p[0] for p in page] == ["s0", "s1", "s2"] and page[-1][1] is True
+    assert db.execute("select name from flowly.replay('big', 0, 100, 1)").fetchall() == [
+        ("s0",)]  # however large, one row always fits
+    rows = db.execute("select name, more from flowly.replay('big', 0, 4)").fetchall()
+    assert len(rows) == 4 and rows[-1][1] is True
+    last = db.execute("select name, more from flowly.replay('big', (select seq from flowly.steps"
+                      " where name = 's4'), 4)").fetchall()
+    assert last == [("s5", False)]
+
+
+# --- smaller defects ------------------------------------------------------------------------
+
+def test_a_run_past_its_timeout_is_never_claimed(db: psycopg.Connection[Any]) -> None:
+    """Even when the sweep does not get to it (here: disabled), claim skips a timed-out run."""
+    db.execute("create or replace function flowly.dead_letter_stalled_runs() returns void"
+               " language sql as 'select'")
+    db.execute("select flowly.start('quick', run_id => 'late', timeout => '10 ms')")
+    time.sleep(0.05)
+    assert db.execute("select * from flowly.claim('w', array['quick'], array['default'], 5,"
+                      " '1 hour')").fetchall() == []
+
+
+def test_start_in_a_repeatable_read_transaction(dsn: str, db: psycopg.Connection[Any]) -> None:
+    """An existing run id or a live concurrency key the snapshot can see: returned, no error.
+    One committed after the snapshot: 40001 with a message that says to retry."""
+    db.execute("select flowly.start('quick', run_id => 'seen', concurrency_key => 'k')")
+    with psycopg.connect(dsn) as app:
+        app.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        assert scalar(app, "select flowly.start('quick', run_id => 'seen')") == "seen"
+        assert scalar(app, "select flowly.start('quick', concurrency_key => 'k')") == "seen"
+        db.execute("select flowly.start('quick', run_id => 'unseen')")
+        with pytest.raises(psycopg.errors.SerializationFailure, match="retry the transaction"):
+            app.execute("select flowly.start('quick', run_id => 'unseen')")
+        app.rollback()
+        assert scalar(app, "select flowly.start('quick', run_id => 'unseen')") == "unseen"
+
+
+def test_sync_step_threads_never_exceed_the_limit() -> None:
+    """A cancelled wait does not free its thread's slot while the thread still runs."""
+    async def scenario() -> tuple[int, bool]:
+        threads = StepThreads(2)
+        release = threading.Event()
+        blocked = [asyncio.ensure_future(threads.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        for task in blocked:
+            task.cancel()
+        third = asyncio.ensure_future(threads.run(lambda: "third"))
+        await asyncio.sleep(0.2)
+        running = threads.threads
+        waited = not third.done()
+        release.set()
+        assert await asyncio.wait_for(third, 5) == "third"
+        threads.close()
+        return running, waited
+
+    running, waited = asyncio.run(scenario())
+    assert running <= 2 and waited
+
+
+def test_run_counts_stay_exact_without_reading_finished_history(
+    db: psycopg.Connection[Any]
+) -> None:
+    """run_counts agrees with a full count through every kind of transition (completion,
+    cancel, dead letter, retry, a purge, rows inserted finished), before and after the
+    counters are folded, and its plan never scans runs."""
+    def exact() -> dict[tuple[str, str], int]:
+        return {(w, s): n for w, s, n in db.execute(
+            "select workflow, status, count(*) from flowly.runs group by 1, 2")}
+
+    def viewed() -> dict[tuple[str, str], int]:
+        return {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
+
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, finished_at, output)
+        select 'old-' || g, 'wf', 'completed', now() - interval '2 days', '1'
+        from generate_series(1, 20000) g""")
+    for i in range(6):
+        db.execute("select flowly.start('wf', run_id => %s)", (f"r{i}",))
+    epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w', array['wf'],"
+                             " array['default'], 5, '1 hour')").fetchall())
+    assert viewed() == exact()
+    db.execute("select flowly.complete_runs(%s, %s, %s::jsonb[])",
+               (["r0", "r1", "r2"], [epochs[r] for r in ("r0", "r1", "r2")], ["1"] * 3))
+    db.execute("select flowly.cancel('r3')")
+    db.execute("select flowly.fail_step('r4', %s, 's', '{\"message\": \"no\"}', now(), 1,"
+               " 'fixed', 1, 1)", (epochs["r4"],))
+    assert viewed() == exact()
+    db.execute("select flowly.fold_run_counts()")
+    assert viewed() == exact()
+    db.execute("select flowly.retry_dead_letter('r4')")
+    db.execute("delete from flowly.runs where id like 'old-1%'")
+    assert viewed() == exact()
+    db.execute("select flowly.fold_run_counts()")
+    assert viewed() == exact()
+    assert scalar(db, "select count(*) from flowly.run_count_deltas") == 0
+
+    db.execute("analyze flowly.runs")
+    for view in ("run_counts", "queue_backlog", "throughput", "step_latency", "dead_letters"):
+        assert "runs" not in seq_scanned(db, f"select * from flowly.{view}"), view
