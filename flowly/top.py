@@ -269,17 +269,22 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
         interval: float = 1.0) -> int:
     """Draw ``flowly top`` until ``q``; with ``once`` (or no terminal), print one frame."""
     console = Console(highlight=False)
-    with psycopg.connect(dsn, autocommit=True) as first_conn:
-        first = snapshot(first_conn, schema)
-    if as_json:
-        print(to_json(first))
-        return 0
-    if once or not console.is_terminal:
-        console.print(render(first, width=console.width))
+    first: psycopg.Connection[Any] = psycopg.connect(dsn, autocommit=True)
+    try:
+        snap = snapshot(first, schema)
+    except BaseException:
+        first.close()
+        raise
+    conn: psycopg.Connection[Any] | None = first  # reused for the refreshes
+    if as_json or once or not console.is_terminal:
+        first.close()
+        if as_json:
+            print(to_json(snap))
+        else:
+            console.print(render(snap, width=console.width))
         return 0
 
-    conn: psycopg.Connection[Any] | None = None
-    snap, error = first, None
+    error: str | None = None
     # a terminal that cannot move the cursor (TERM=dumb) gets one frame after the other
     screen = (Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False,
                    redirect_stderr=False)
@@ -294,7 +299,7 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
                     live.update(frame, refresh=True)
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0:
-                    if read_key(left).lower().startswith("q"):
+                    if "q" in read_key(left).lower():
                         return 0
                 try:
                     if conn is None or conn.closed:
