@@ -12,6 +12,7 @@ from .errors import (
     InvalidArgument,
     InvalidState,
     LeaseLost,
+    OutputTooLarge,
     RunBusy,
     RunNotFound,
     RunTimeout,
@@ -19,6 +20,7 @@ from .errors import (
     SchemaNotInstalled,
     StepOutputNotSerializable,
     UnknownWorkflow,
+    WorkflowCodeError,
 )
 from .retry import Retry
 from .schema import install, install_dsn
@@ -36,6 +38,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidState",
     "LeaseLost",
+    "OutputTooLarge",
     "Retry",
     "Run",
     "RunBusy",
@@ -49,6 +52,7 @@ __all__ = [
     "UnknownWorkflow",
     "Worker",
     "Workflow",
+    "WorkflowCodeError",
     "__version__",
     "install",
     "install_dsn",

@@ -55,7 +55,7 @@ from .render import (
     table,
     to_json,
 )
-from .worker import Worker
+from .worker import DEFAULT_MAX_OUTPUT_BYTES, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight runs get to finish on SIGTERM (10)")
     parser.add_argument("--max-connections", type=int, default=4,
                         help="database connections besides the listener (4)")
+    parser.add_argument("--max-output-bytes", type=int, default=DEFAULT_MAX_OUTPUT_BYTES,
+                        help="largest step or workflow output, in bytes of JSON (8 MiB)")
 
 
 def _module_hint(spec: str) -> str | None:
@@ -213,6 +215,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         poll_interval=args.poll_interval,
         drain_timeout=args.drain_timeout,
         max_connections=args.max_connections,
+        max_output_bytes=args.max_output_bytes,
     )
 
 

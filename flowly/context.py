@@ -12,15 +12,21 @@ import asyncio
 import hashlib
 import inspect
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text
-from .errors import LeaseLost, StepOutputNotSerializable
+from .errors import (
+    InvalidArgument,
+    LeaseLost,
+    OutputTooLarge,
+    StepOutputNotSerializable,
+    WorkflowCodeError,
+)
 from .replay import ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
-from .workflow import Workflow, WorkflowFn, lookup
+from .workflow import START_OPTIONS, Workflow, WorkflowFn, lookup
 
 T = TypeVar("T")
 
@@ -103,14 +109,21 @@ def cancel_requested(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
-def serialise_output(value: Any, owner: str) -> str:
-    """JSON text of a step's or workflow's output; a clear error naming ``owner`` if it has none."""
+def serialise_output(value: Any, owner: str, max_bytes: int) -> str:
+    """JSON text of a step's or workflow's output; a clear error naming ``owner`` if it has
+    none, or if it is larger than ``max_bytes``."""
     try:
-        return dumps(value)
-    except (TypeError, ValueError) as exc:
+        text = dumps(value)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise StepOutputNotSerializable(
             f"{owner} returned a {type(value).__name__} that is not JSON serialisable: {exc}"
         ) from exc
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise OutputTooLarge(
+            f"{owner} returned {size:,} bytes of JSON; the limit is {max_bytes:,}"
+            " (Worker max_output_bytes): store large data elsewhere and return a reference")
+    return text
 
 
 def now() -> datetime:
@@ -167,6 +180,26 @@ async def run_write(
             raise RefusedWrite(str(exc)) from exc
 
 
+NOT_RETRYABLE = (WorkflowCodeError, StepOutputNotSerializable, OutputTooLarge, InvalidArgument,
+                 RefusedWrite)
+"""Failures that every attempt would meet again: no retry, the run fails (or compensates)."""
+
+
+class _Call:
+    """The awaitable a ``ctx`` call returns; it notes whether the body awaited it."""
+
+    __slots__ = ("awaited", "coroutine", "label")
+
+    def __init__(self, label: str, coroutine: Coroutine[Any, Any, Any]) -> None:
+        self.label = label
+        self.coroutine = coroutine
+        self.awaited = False
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self.awaited = True
+        return self.coroutine.__await__()
+
+
 def _start_record_name(child_id: str) -> str:
     """The parent's step name that records the id of a child it started."""
     name = f"start:{child_id}"
@@ -189,8 +222,10 @@ class Context:
         history: ReplayLog,
         compensating: bool,
         default_retry: Retry,
+        max_output_bytes: int,
     ) -> None:
         self.run_id = run_id
+        self.max_output_bytes = max_output_bytes
         self.workflow = workflow
         self.attempt = attempt
         self.generation = generation
@@ -208,6 +243,7 @@ class Context:
         self._executing = 0
         self._in_flight = 0
         self._changed = asyncio.Event()
+        self._calls: list[_Call] = []
 
     @property
     def compensating(self) -> bool:
@@ -238,21 +274,33 @@ class Context:
             raise ValueError(f"step or sleep name {name[:80]!r} must be text of at most"
                              f" {_MAX_NAME_BYTES} bytes with no NUL character")
         if name in self._names_used:
-            raise ValueError(
+            raise WorkflowCodeError(
                 f"name {name!r} is used twice in run {self.run_id}: every step and sleep of a"
                 " run needs its own name, since checkpoints are keyed by it"
             )
         self._names_used.add(name)
         return len(self._names_used)
 
-    async def step(
+    def _track(self, label: str, coroutine: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        call = _Call(label, coroutine)
+        self._calls.append(call)
+        return call
+
+    def unawaited(self) -> list[str]:
+        """The calls the body made without awaiting them (closed here, so they never run)."""
+        missing = [call for call in self._calls if not call.awaited]
+        for call in missing:
+            call.coroutine.close()
+        return [call.label for call in missing]
+
+    def step(
         self,
         name: str,
         fn: Callable[..., Any],
         *args: Any,
         compensate: Callable[[Any], Any] | None = None,
         retry: Retry | None = None,
-    ) -> Any:
+    ) -> Awaitable[Any]:
         """Run ``fn(*args)`` once for this run and return its (JSON) output.
 
         A step with a checkpoint returns the stored output without running. A failure is
@@ -263,6 +311,12 @@ class Context:
         Steps running in parallel (``asyncio.gather``) when one fails are waited for first,
         so every step that completed is checkpointed, and compensated, before the saga.
         """
+        return self._track(f"step {name!r}", self._step(name, fn, args, compensate, retry))
+
+    async def _step(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        compensate: Callable[[Any], Any] | None, retry: Retry | None,
+    ) -> Any:
         position = self._claim_name(name)
         if compensate is not None:
             self.compensations[name] = compensate
@@ -282,7 +336,7 @@ class Context:
         try:
             try:
                 result = await call_user_function(self._store, fn, *args)
-                payload = serialise_output(result, f"step {name!r}")
+                payload = serialise_output(result, f"step {name!r}", self.max_output_bytes)
                 output, seq = await self._write(lambda: self._store.checkpoint(
                     name, payload, started_at, compensate is not None, position))
             except Interrupt:
@@ -291,7 +345,7 @@ class Context:
                 if cancel_requested(exc):
                     raise
                 # the output was refused (not JSON, or not storable): no retry can change it
-                retryable = not isinstance(exc, (StepOutputNotSerializable, RefusedWrite))
+                retryable = not isinstance(exc, NOT_RETRYABLE)
                 self._executing -= 1
                 executing = False
                 self._notify()
@@ -332,20 +386,20 @@ class Context:
         while not condition():
             await self._changed.wait()
 
-    async def sleep(self, name: str, seconds: float | timedelta) -> None:
+    def sleep(self, name: str, seconds: float | timedelta) -> Awaitable[None]:
         """Sleep durably for ``seconds``, measured from the first time this sleep is reached.
 
         The wake time is stored once; the run is released while it sleeps and resumes at
         that time, on any worker, even after restarts.
         """
         delay = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
-        await self._sleep(name, None, delay)
+        return self._track(f"sleep {name!r}", self._sleep(name, None, delay))
 
-    async def sleep_until(self, name: str, when: datetime) -> None:
+    def sleep_until(self, name: str, when: datetime) -> Awaitable[None]:
         """Sleep durably until ``when`` (a timezone-aware datetime)."""
         if when.tzinfo is None:
             raise ValueError(f"sleep_until {name!r}: 'when' must be timezone-aware")
-        await self._sleep(name, when, None)
+        return self._track(f"sleep {name!r}", self._sleep(name, when, None))
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
         position = self._claim_name(name)
@@ -360,13 +414,13 @@ class Context:
             raise SleepInterrupt(name)
         self.history.record(name, StoredTimer(stored_wake_at, True))
 
-    async def start(
+    def start(
         self,
         workflow: str | WorkflowFn,
         input: Any = None,
         run_id: str | None = None,
         **options: Any,
-    ) -> str:
+    ) -> Awaitable[str]:
         """Start another run and return its id; the same id on every replay.
 
         Without ``run_id`` the child's id is derived from this run's id, the workflow name and
@@ -377,7 +431,18 @@ class Context:
         :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
         defaults when it is registered in this process.
         """
-        name, defaults = lookup(workflow)
+        return self._track(f"start of {workflow!r}", self._start(workflow, input, run_id, options))
+
+    async def _start(
+        self, workflow: str | WorkflowFn, input: Any, run_id: str | None, options: dict[str, Any]
+    ) -> str:
+        unknown = set(options) - START_OPTIONS
+        if unknown:
+            raise WorkflowCodeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
+        try:
+            name, defaults = lookup(workflow)
+        except TypeError as exc:  # a function that is not a registered workflow
+            raise WorkflowCodeError(str(exc)) from None
         count = self._child_counts.get(name, 0) + 1
         self._child_counts[name] = count
         child_id = run_id or f"{self.run_id}:{name}:{count}"

@@ -66,6 +66,8 @@ def translated_errors() -> Iterator[None]:
 # connection exceptions, insufficient resources, operator intervention (shutdown, statement
 # timeout, cancel), system errors
 _CONNECTION_CLASSES = frozenset({"08", "53", "57", "58"})
+# ... and the session ended by the server for idling in a transaction (a frozen client)
+_CONNECTION_STATES = frozenset({"25P03"})
 # the row or the transaction was contended: the same call, made again, may well succeed
 _CONTENTION_STATES = frozenset({"55P03", "40001", "40P01"})
 
@@ -83,9 +85,11 @@ def is_connection_failure(exc: BaseException) -> bool:
     then unknown), rather than the database refusing what was asked."""
     if isinstance(exc, (psycopg.InterfaceError, OSError)):
         return True
-    if not isinstance(exc, psycopg.OperationalError) or is_contention(exc):
+    if not isinstance(exc, psycopg.Error) or is_contention(exc):
         return False
-    return exc.sqlstate is None or exc.sqlstate[:2] in _CONNECTION_CLASSES
+    if exc.sqlstate is None:  # raised by the client: the connection failed
+        return isinstance(exc, psycopg.OperationalError)
+    return exc.sqlstate[:2] in _CONNECTION_CLASSES or exc.sqlstate in _CONNECTION_STATES
 
 
 # a \u0000 escape preceded by an even number of backslashes (an odd number would make it text)
@@ -151,7 +155,7 @@ class Calls:
         self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s, %s)")
         self.fail_step = q(
             "select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
-        self.fail_run = q("select * from {s}.fail_run(%s, %s, %s)")
+        self.fail_run = q("select * from {s}.fail_run(%s, %s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")
         self.get_run = q("select * from {s}.runs where id = %s")
@@ -168,11 +172,4 @@ class Calls:
         self.is_served = q(
             "select exists (select from {s}.workers w where w.last_seen_at + w.lease > now()"
             " and %s = any(w.workflows) and %s = any(w.queues))"
-        )
-        self.list_runs = q(
-            "select * from {s}.runs"
-            " where (%(status)s::text is null or status = %(status)s)"
-            " and (%(workflow)s::text is null or workflow = %(workflow)s)"
-            " and (%(since)s::timestamptz is null or created_at >= %(since)s)"
-            " order by created_at desc, id limit %(limit)s"
         )

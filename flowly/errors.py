@@ -43,12 +43,28 @@ class RunBusy(FlowlyError):
     """
 
 
+class WorkflowCodeError(FlowlyError, ValueError):
+    """The workflow's code misuses flowly: a step name used twice, a step, sleep or start not
+    awaited, an unknown start option, a body that does not take ``(ctx, input)``.
+
+    Every attempt would fail alike, so the run fails at once, without retries.
+    """
+
+
 class UnknownWorkflow(FlowlyError, LookupError):
     """A workflow name is not registered in this process."""
 
 
 class StepOutputNotSerializable(FlowlyError, TypeError):
     """A step returned a value that cannot be stored as JSON."""
+
+
+class OutputTooLarge(FlowlyError, ValueError):
+    """A step's or workflow's output is larger than the worker's ``max_output_bytes``.
+
+    Checked before anything is sent, so one huge value never stalls a batch of checkpoints;
+    the run fails without retries (the same step would return the same size again).
+    """
 
 
 class SchemaError(FlowlyError):

@@ -77,12 +77,20 @@ class GroupCommitter:
             for i in range(self._flushers)
         ]
 
-    async def close(self) -> None:
-        """Flush what is queued, then stop the flush tasks."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush what is queued, then stop the flush tasks; after ``timeout`` seconds stop
+        them anyway (the database may be gone), failing what was not flushed."""
         self._closing = True
         self._wakeup.set()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, unfinished = await asyncio.wait(self._tasks, timeout=timeout)
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         self._closed = True
+        _fail_all(self._pending, ConnectionError("the worker stopped before this write was"
+                                                 " flushed"))
+        self._pending.clear()
 
     async def checkpoint(
         self, run_id: str, epoch: int, name: str, payload: str, started_at: datetime,

@@ -103,6 +103,12 @@ def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | None) -> dict[str
     return resolved
 
 
+START_OPTIONS = frozenset({
+    "queue", "priority", "scheduled_for", "delay", "concurrency_key", "max_attempts", "timeout",
+})
+"""The options a start takes besides workflow, input and run id."""
+
+
 def start_params(
     workflow: str,
     input: Any,
@@ -111,26 +117,24 @@ def start_params(
     defaults: Workflow | None = None,
 ) -> dict[str, Any]:
     """Named parameters for ``start``: the options a caller gave over the workflow's defaults."""
-    unknown = set(options) - {
-        "queue", "priority", "scheduled_for", "delay", "concurrency_key", "max_attempts",
-        "timeout",
-    }
+    unknown = set(options) - START_OPTIONS
     if unknown:
         raise TypeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
     try:
         payload = dumps(input)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgument(
             f"input of a {workflow!r} run is not JSON serialisable: {exc}") from exc
     return {
-        "workflow": workflow,
+        "workflow": _text(workflow, "workflow", workflow),
         "input": payload,
-        "run_id": run_id,
-        "queue": _option(options, "queue", defaults.queue if defaults else "default"),
+        "run_id": _text(workflow, "run_id", run_id),
+        "queue": _text(workflow, "queue", _option(
+            options, "queue", defaults.queue if defaults else "default")),
         "priority": _int4(workflow, "priority", _option(options, "priority", 0)),
         "scheduled_for": options.get("scheduled_for"),
         "delay": _interval(workflow, "delay", options.get("delay")),
-        "concurrency_key": options.get("concurrency_key"),
+        "concurrency_key": _text(workflow, "concurrency_key", options.get("concurrency_key")),
         "max_attempts": _int4(workflow, "max_attempts", _option(
             options, "max_attempts", defaults.max_attempts if defaults else 3)),
         "timeout": _interval(workflow, "timeout", options.get("timeout")),
@@ -147,9 +151,25 @@ def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _int4(workflow: str, name: str, value: Any) -> Any:
+def _text(workflow: Any, name: str, value: Any) -> str | None:
+    """``value`` if it is text the database can hold (its length limit is checked in SQL)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            f"{name} of a {workflow!r} run must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidArgument(
+            f"{name} of a {workflow!r} run must not contain the NUL character")
+    return value
+
+
+def _int4(workflow: str, name: str, value: Any) -> int:
     """``value`` if the database's integer can hold it (the SQL checks its range of meaning)."""
-    if isinstance(value, int) and not -2**31 <= value < 2**31:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(
+            f"{name} of a {workflow!r} run must be an integer, got {type(value).__name__}")
+    if not -2**31 <= value < 2**31:
         raise InvalidArgument(f"{name} of a {workflow!r} run is out of range: {value}")
     return value
 

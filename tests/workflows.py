@@ -378,3 +378,50 @@ async def many_steps(ctx: flowly.Context, inp: dict[str, Any]) -> int:
     for i in range(inp["n"]):
         total += await ctx.step(f"s{i}", numbered, i)
     return total + int(await ctx.step("final", numbered, -1))
+
+
+@flowly.workflow("forgets_await")
+async def forgets_await(ctx: flowly.Context, inp: Any) -> Any:
+    """Calls a step without awaiting it (a common slip)."""
+    ctx.step("never", record_effect, ctx.run_id, "never")
+    return "done"
+
+
+@flowly.workflow("name_twice")
+async def name_twice(ctx: flowly.Context, inp: Any) -> Any:
+    await ctx.step("same", lambda: 1)
+    return await ctx.step("same", lambda: 2)
+
+
+@flowly.workflow("object_output")
+async def object_output(ctx: flowly.Context, inp: Any) -> Any:
+    return object()
+
+
+@flowly.workflow("bad_start_option")
+async def bad_start_option(ctx: flowly.Context, inp: Any) -> Any:
+    return await ctx.start("quick", None, priorty=5)
+
+
+@flowly.workflow("no_input")
+async def no_input(ctx: flowly.Context) -> Any:  # type: ignore[misc]
+    return "never"
+
+
+@flowly.workflow("blocks_loop")
+async def blocks_loop(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """An async step that blocks the event loop (time.sleep in async code, a common slip)."""
+    async def block() -> str:
+        time.sleep(inp["seconds"])
+        return "unblocked"
+
+    return str(await ctx.step("block", block))
+
+
+@flowly.workflow("generator_exit")
+async def generator_exit(ctx: flowly.Context, inp: Any) -> Any:
+    """A sync step that raises GeneratorExit, on its only attempt."""
+    def leak() -> None:
+        raise GeneratorExit("from a closed generator")
+
+    return await ctx.step("leak", leak, retry=flowly.Retry(max_attempts=1))

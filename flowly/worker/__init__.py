@@ -11,6 +11,7 @@ Run it with ``python -m flowly.worker --app module[:attr]`` or :meth:`Worker.run
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ..context import (
+    NOT_RETRYABLE,
     CompensateInterrupt,
     Context,
     Interrupt,
@@ -40,27 +42,32 @@ from ..context import (
     serialise_output,
 )
 from ..db import Calls, translated_errors
-from ..errors import LeaseLost
+from ..errors import LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schema import install_dsn
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
+from . import session
+from .heartbeat import Heartbeat
 from .step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
 # how long cancelled runs get to unwind at shutdown before they are released anyway
 _CANCEL_GRACE = 2.0
-# how long the release of unfinished runs at shutdown may take before the worker exits anyway
-_RELEASE_TIMEOUT = 5.0
-# how long an engine call waits for a lock before it reports the run busy; the hot path
-# skips locked rows anyway, this bounds the rest (a start behind an uncommitted concurrency key)
-_LOCK_TIMEOUT = "2s"
+# the largest step or workflow output (JSON bytes) a worker sends: far below what jsonb and the
+# driver's pipeline handle, and a size no checkpoint should have (store a reference instead)
+DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+# how long each database call at shutdown (release, unregister) may take before the worker
+# exits anyway: a database that is gone must not keep a stopping worker alive
+_SHUTDOWN_CALL_TIMEOUT = 3.0
+# how long past the drain timeout a stopping worker's orderly shutdown may take in all
+_SHUTDOWN_GRACE = 5.0
 # rows and bytes of replay data one read fetches
 _REPLAY_PAGE_ROWS = 500
 
-__all__ = ["Worker"]
+__all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "Worker"]
 
 
 def _seconds(value: float | timedelta) -> float:
@@ -145,6 +152,8 @@ class Worker:
     go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
     soon a timer or backoff that just expired is seen). On stop, in-flight runs get up to
     ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
+    ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
+    before anything is sent).
     """
 
     def __init__(
@@ -162,6 +171,7 @@ class Worker:
         default_retry: Retry | None = None,
         install_schema: bool = True,
         worker_id: str | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -179,6 +189,9 @@ class Worker:
         self.max_connections = max_connections
         self.default_retry = default_retry or Retry()
         self.install_schema = install_schema
+        if max_output_bytes < 1:
+            raise ValueError(f"max_output_bytes must be positive, got {max_output_bytes}")
+        self.max_output_bytes = max_output_bytes
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}
@@ -209,25 +222,55 @@ class Worker:
         try:
             if self.install_schema:
                 await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
+            lease = self.lease
+
+            async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+                await session.configure_async(conn, lease)
+
             self._pool = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=self.max_connections, open=False,
-                kwargs={"autocommit": True}, name="flowly-worker", configure=_configure,
+                kwargs=session.connection_kwargs(lease), name="flowly-worker",
+                configure=configure, timeout=max(lease, 5.0),
             )
             await self._pool.open()
             try:
-                await self._serve(self._pool)
+                await self._serve_until_stopped(self._pool)
             finally:
-                await self._pool.close()
+                await self._pool.close(timeout=_SHUTDOWN_CALL_TIMEOUT)
         finally:
             if on_main_thread:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
             logger.info("worker %s stopped", self.worker_id)
 
+    async def _serve_until_stopped(self, pool: AsyncConnectionPool) -> None:
+        """Serve; once asked to stop, give the orderly shutdown (drain, release) its time and
+        then end it, whatever the database is doing (an outage must not keep SIGTERM waiting
+        on connection attempts)."""
+        serving = asyncio.ensure_future(self._serve(pool))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                await asyncio.wait({serving}, timeout=self.drain_timeout + _SHUTDOWN_GRACE)
+            if not serving.done():
+                logger.warning("worker %s: shutdown overran its %.1fs; ending it now",
+                               self.worker_id, self.drain_timeout + _SHUTDOWN_GRACE)
+                serving.cancel()
+                await asyncio.wait({serving}, timeout=_SHUTDOWN_CALL_TIMEOUT)
+        finally:
+            stopping.cancel()
+            if not serving.done():  # run() itself was cancelled
+                serving.cancel()
+                await asyncio.wait({serving}, timeout=_SHUTDOWN_CALL_TIMEOUT)
+        if serving.done() and not serving.cancelled() and serving.exception() is not None:
+            raise serving.exception()  # type: ignore[misc]
+
     async def _serve(self, pool: AsyncConnectionPool) -> None:
         self._committer = GroupCommitter(pool, self._calls)
         self._committer.start()
         background: list[asyncio.Task[None]] = []
+        heartbeat: Heartbeat | None = None
         try:
             await self._call(
                 self._calls.register_worker,
@@ -235,9 +278,17 @@ class Worker:
             )
             logger.info("worker %s serving %s on queues %s (concurrency %d)", self.worker_id,
                         ", ".join(self.workflows), ", ".join(self.queues), self.concurrency)
+            heartbeat = Heartbeat(
+                dsn=self.dsn, calls=self._calls, worker_id=self.worker_id, lease=self.lease,
+                loop=asyncio.get_running_loop(),
+                held=lambda: [(h.run_id, h.epoch, h) for h in list(self._held.values())],
+                on_lost=self._lost,
+            )
+            heartbeat.start()
             background = [
                 asyncio.create_task(self._listen(), name="flowly-listen"),
-                asyncio.create_task(self._heartbeat_loop(), name="flowly-heartbeat"),
+                asyncio.create_task(self._tell_heartbeat_the_loop_turns(heartbeat),
+                                    name="flowly-loop-ticks"),
             ]
             await self._claim_loop()
             await self._drain()
@@ -246,10 +297,14 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self._committer.close()
+            if heartbeat is not None:
+                await asyncio.to_thread(heartbeat.stop, _SHUTDOWN_CALL_TIMEOUT)
+            await self._committer.close(_SHUTDOWN_CALL_TIMEOUT)
             self._step_threads.close()
             try:
-                await self._call(self._calls.unregister_worker, (self.worker_id,))
+                await asyncio.wait_for(
+                    self._call(self._calls.unregister_worker, (self.worker_id,)),
+                    _SHUTDOWN_CALL_TIMEOUT)
             except Exception as exc:  # the worker row expires by itself
                 logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
 
@@ -310,7 +365,8 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+                async with await psycopg.AsyncConnection.connect(
+                        self.dsn, **session.connection_kwargs(self.lease)) as conn:
                     channel = (await (await conn.execute(self._calls.wakeup_channel)).fetchone())
                     assert channel is not None
                     await conn.execute(psycopg.sql.SQL("listen {}").format(
@@ -327,34 +383,18 @@ class Worker:
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
+    def _lost(self, held: _Held) -> None:
+        """A heartbeat found the run's lease lost: stop executing it here."""
+        # the run may have been released and claimed again, with a new epoch, while that
+        # heartbeat was in flight: only the execution it was sent for is lost
+        if self._held.get(held.run_id) is held and held.task is not None:
+            logger.warning("lease lost on run %s: cancelling it here", held.run_id)
+            held.task.cancel()
+
+    async def _tell_heartbeat_the_loop_turns(self, heartbeat: Heartbeat) -> None:
         while True:
-            await asyncio.sleep(self.lease / 3)
-            held = list(self._held.values())
-            try:
-                rows = await self._call(
-                    self._calls.heartbeat,
-                    (self.worker_id, [h.run_id for h in held], [h.epoch for h in held],
-                     timedelta(seconds=self.lease)),
-                )
-            except Exception as exc:  # keep beating: the next one may get through
-                logger.warning("heartbeat failed: %s", exc)
-                continue
-            beaten = {h.run_id: h for h in held}
-            for run_id, outcome in rows:
-                if outcome == "busy":  # its row is locked elsewhere: extended at a later beat
-                    logger.info("run %s busy: its lease was not extended this time", run_id)
-                    continue
-                lost = beaten[run_id]
-                # the run may have been released and claimed again, with a new epoch, while this
-                # heartbeat was in flight: only the execution it was sent for is lost
-                if self._held.get(run_id) is lost and lost.task is not None:
-                    logger.warning("lease lost on run %s: cancelling it here", run_id)
-                    lost.task.cancel()
-            try:  # upkeep of the dashboard counters (flowly.run_counts), as often as this
-                await self._call(self._calls.fold_run_counts, ())
-            except Exception as exc:
-                logger.warning("folding the run counters failed: %s", exc)
+            heartbeat.loop_turned()
+            await asyncio.sleep(min(0.5, self.lease / 6))
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]
@@ -377,7 +417,7 @@ class Worker:
         try:
             rows = await asyncio.wait_for(self._call(
                 self._calls.release, ([h.run_id for h in unfinished], [h.epoch for h in unfinished])
-            ), _RELEASE_TIMEOUT)
+            ), _SHUTDOWN_CALL_TIMEOUT)
         except Exception as exc:
             logger.warning("could not release %d run(s); other workers take them when their"
                            " leases expire: %s", len(unfinished), exc)
@@ -400,6 +440,7 @@ class Worker:
             history=ReplayLog(store.read_page if has_history else None),
             compensating=status == "compensating",
             default_retry=self.default_retry,
+            max_output_bytes=self.max_output_bytes,
         )
         try:
             if await self._run_body(held, workflow, ctx, input) == "compensate":
@@ -421,11 +462,17 @@ class Worker:
         a lost lease or connection propagates to :meth:`_execute` as an interrupt.
         """
         try:
-            result = await workflow.fn(ctx, input)
+            result = await _call_body(workflow, ctx, input)
             await ctx.settled()  # parallel steps the body left behind land first
             if ctx.compensating:
                 return "compensate"
-            payload = serialise_output(result, f"workflow {workflow.name!r}")
+            unawaited = ctx.unawaited()
+            if unawaited:
+                raise WorkflowCodeError(
+                    f"workflow {workflow.name!r} returned without awaiting its"
+                    f" {', '.join(unawaited)}: write `await ctx.step(...)`")
+            payload = serialise_output(result, f"workflow {workflow.name!r}",
+                                       self.max_output_bytes)
         except CompensateInterrupt as interrupt:
             await ctx.settled()  # siblings that were still finishing join the saga
             return interrupt.decision
@@ -439,10 +486,12 @@ class Worker:
             await ctx.settled()
             if ctx.compensating:
                 return "compensate"
-            logger.info("run %s failed outside a step: %r", held.run_id, exc)
+            retryable = not isinstance(exc, NOT_RETRYABLE)
+            logger.info("run %s failed outside a step%s: %r", held.run_id,
+                        "" if retryable else " (not retryable)", exc)
             row = await run_write(held.run_id, partial(
                 self._call_one, self._calls.fail_run,
-                (held.run_id, held.epoch, Jsonb(error_info(exc)))))
+                (held.run_id, held.epoch, Jsonb(error_info(exc)), retryable)))
             return str(row[0])
         await run_write(held.run_id,
                         partial(self._committer.complete, held.run_id, held.epoch, payload))
@@ -500,6 +549,13 @@ class Worker:
         return rows[0]
 
 
-async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Session settings of the worker's pooled connections."""
-    await conn.execute("select set_config('lock_timeout', %s, false)", (_LOCK_TIMEOUT,))
+async def _call_body(workflow: Workflow, ctx: Context, input: Any) -> Any:
+    """Call the workflow body; a body that does not take ``(ctx, input)`` is a code error."""
+    try:
+        inspect.signature(workflow.fn).bind(ctx, input)
+    except TypeError as exc:
+        raise WorkflowCodeError(
+            f"workflow {workflow.name!r} must take (ctx, input): {exc}") from None
+    except ValueError:  # no signature to check (a builtin): let the call tell
+        pass
+    return await workflow.fn(ctx, input)

@@ -813,6 +813,35 @@ begin
 end
 $$;
 
+drop function fail_run(text, bigint, jsonb);
+
+-- Records a failure of the workflow body itself (outside any step). Retries the whole run
+-- (replaying its checkpoints) with exponential backoff while attempts remain and the failure
+-- is retryable (a mistake in the workflow's code, such as a step name used twice, is not:
+-- every attempt would fail alike), else starts the saga like an exhausted step.
+create function fail_run(
+    p_run_id text, p_epoch bigint, p_error jsonb, p_retryable boolean default true
+) returns table (decision text, retry_at timestamptz)
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_run runs;
+begin
+    v_run := lock_held_run(p_run_id, p_epoch, array['running']);
+    if p_retryable and v_run.attempt < v_run.max_attempts then
+        retry_at := now() + backoff_delay('exponential', 1, 300, v_run.attempt);
+        update runs r set attempt = r.attempt + 1, error = as_error(p_error)
+        where r.id = p_run_id;
+        perform release_held_run(p_run_id, retry_at);
+        decision := 'retry';
+    else
+        decision := begin_compensation(p_run_id, as_error(p_error));
+    end if;
+    return next;
+end
+$$;
+
 -- Ends a saga: the run lands in dead_letter; compensation_ok says whether every compensation
 -- succeeded (one never run counts as failed; null when no step had one).
 create or replace function finish_compensation(p_run_id text, p_epoch bigint) returns boolean

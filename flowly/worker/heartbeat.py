@@ -1,0 +1,112 @@
+"""The heartbeat: extends a worker's leases from a thread and a connection of its own.
+
+Leases must not depend on the event loop being responsive: a workflow body that blocks it
+(``time.sleep`` in an ``async def``, a CPU-bound loop) would otherwise let every run of the
+worker lapse and be taken over, and the innocent ones would pile up takeovers as if their
+worker had died. The thread beats every lease/3 whatever the loop does, tells the loop which
+runs were lost (cancelled there once it runs again), and warns, naming the run, when the loop
+has not turned for longer than a beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from ..db import Calls
+from . import session
+
+logger = logging.getLogger(__name__)
+
+HeldSnapshot = Callable[[], list[tuple[str, int, Any]]]
+"""Returns the runs the worker holds now: (run id, epoch, the worker's token for the run)."""
+
+
+class Heartbeat:
+    """Beats on a daemon thread until :meth:`stop`."""
+
+    def __init__(
+        self, *, dsn: str, calls: Calls, worker_id: str, lease: float,
+        loop: asyncio.AbstractEventLoop, held: HeldSnapshot,
+        on_lost: Callable[[Any], None],
+    ) -> None:
+        self._dsn = dsn
+        self._calls = calls
+        self._worker_id = worker_id
+        self._lease = lease
+        self._loop = loop
+        self._held = held
+        self._on_lost = on_lost
+        self._stopping = threading.Event()
+        self._loop_seen = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="flowly-heartbeat", daemon=True)
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def loop_turned(self) -> None:
+        """Called from the loop now and then: it is responsive."""
+        self._loop_seen = time.monotonic()
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        interval = self._lease / 3
+        try:
+            while not self._stopping.wait(interval):
+                self._warn_if_loop_blocked(interval)
+                try:
+                    self._beat()
+                except (psycopg.Error, OSError) as exc:  # the next beat may get through
+                    logger.warning("heartbeat failed: %s", exc)
+                    self._close()
+        finally:
+            self._close()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._dsn, **session.connection_kwargs(self._lease))
+            session.configure(self._conn, self._lease)
+        return self._conn
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _beat(self) -> None:
+        held = self._held()
+        conn = self._connection()
+        rows = conn.execute(
+            self._calls.heartbeat,
+            (self._worker_id, [h[0] for h in held], [h[1] for h in held],
+             timedelta(seconds=self._lease)),
+        ).fetchall()
+        tokens = {h[0]: h[2] for h in held}
+        for run_id, outcome in rows:
+            if outcome == "busy":  # its row is locked elsewhere: extended at a later beat
+                logger.info("run %s busy: its lease was not extended this time", run_id)
+            else:
+                self._loop.call_soon_threadsafe(self._on_lost, tokens[run_id])
+        conn.execute(self._calls.fold_run_counts)  # upkeep of flowly.run_counts
+
+    def _warn_if_loop_blocked(self, interval: float) -> None:
+        blocked_for = time.monotonic() - self._loop_seen
+        if blocked_for < interval:
+            return
+        task = asyncio.current_task(self._loop)
+        culprit = task.get_name() if task is not None else "no task (loop code)"
+        logger.warning(
+            "the event loop has not turned for %.1fs, blocked by %s: async code must not"
+            " block (use a sync step, which runs on a thread, or await asyncio.sleep);"
+            " leases are kept meanwhile", blocked_for, culprit)

@@ -1,0 +1,57 @@
+"""The settings of a worker's database sessions, suited to its lease.
+
+A worker that freezes (SIGSTOP, a paused VM) or loses its network in the middle of a commit
+must not pin the rows it locked for hours: its transactions are cut after about a lease of
+idleness, a statement may not run much past a lease, dead peers are noticed through TCP
+keepalives within about a lease, and no call waits long for a lock (the hot path skips locked
+rows anyway; this bounds the rest, such as a start behind an uncommitted concurrency key).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+LOCK_TIMEOUT_MS = 2000
+# a statement of the engine takes milliseconds; this only stops one that is stuck
+_MIN_STATEMENT_TIMEOUT_MS = 5000
+
+
+def connection_kwargs(lease: float) -> dict[str, Any]:
+    """libpq parameters for a worker connection: autocommit, and TCP keepalives that notice a
+    dead server (or path to it) within about a lease. Unix sockets ignore the keepalives."""
+    probe = max(1, int(lease / 3))
+    return {
+        "autocommit": True,
+        "keepalives": 1,
+        "keepalives_idle": probe,
+        "keepalives_interval": probe,
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(lease * 1000),
+        "connect_timeout": max(2, int(lease)),
+    }
+
+
+def settings(lease: float) -> dict[str, str]:
+    """Session settings (GUCs) of a worker connection, in milliseconds."""
+    lease_ms = int(lease * 1000)
+    return {
+        "lock_timeout": str(LOCK_TIMEOUT_MS),
+        "statement_timeout": str(max(lease_ms, _MIN_STATEMENT_TIMEOUT_MS)),
+        "idle_in_transaction_session_timeout": str(max(lease_ms, 1000)),
+    }
+
+
+_SET = "select set_config('lock_timeout', %(lock_timeout)s, false)," \
+       " set_config('statement_timeout', %(statement_timeout)s, false)," \
+       " set_config('idle_in_transaction_session_timeout'," \
+       " %(idle_in_transaction_session_timeout)s, false)"
+
+
+async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
+    await conn.execute(_SET, settings(lease))
+
+
+def configure(conn: psycopg.Connection[Any], lease: float) -> None:
+    conn.execute(_SET, settings(lease))

@@ -1,0 +1,141 @@
+"""Stalls that must not happen: a huge output, a blocked event loop, a frozen session, a
+database that is gone at shutdown; and bad input that must get a clear error."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import flowly
+from flowly.db import is_connection_failure
+from flowly.worker import session
+from tests.support import running_worker, scalar, wait_for, worker_process
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+def test_an_output_over_the_limit_fails_its_run_before_anything_is_sent(
+    dsn: str, client: flowly.Client
+) -> None:
+    big = client.start("echo", {"value": "x" * (9 * 1024 * 1024), "wait": 0.2})
+    small = [client.start("echo", {"value": i, "wait": 0.2}) for i in range(10)]
+    with running_worker(dsn):
+        run = client.wait(big, timeout=60)
+        assert [client.wait(r, timeout=30).output for r in small] == list(range(10))
+    assert run.status == "dead_letter"
+    assert run.error["type"] == "OutputTooLarge"
+    assert "step 'echo' returned 9,437,186 bytes of JSON; the limit is 8,388,608" in (
+        run.error["message"])
+    assert len(client.failed_attempts(big)) == 1  # no retry
+
+
+def test_a_blocked_event_loop_keeps_the_leases_and_names_the_culprit(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A body blocks the loop for three leases: the worker's other runs keep their leases (the
+    heartbeat has a thread of its own), nobody takes anything over, and a warning names the
+    run that blocks."""
+    caplog.set_level(logging.WARNING, logger="flowly")
+    others = [client.start("slow", {"seconds": 4}) for _ in range(3)]
+    with running_worker(dsn, lease=1.0):
+        wait_for(lambda: scalar(db, "select count(*) = 3 from flowly.runs"
+                                    " where status = 'running'"), what="three running")
+        blocker = client.start("blocks_loop", {"seconds": 3})
+        for run_id in [blocker, *others]:
+            assert client.wait(run_id, timeout=30).status == "completed"
+    epochs = dict(db.execute("select id, lease_epoch from flowly.runs").fetchall())
+    assert {epochs[r] for r in [blocker, *others]} == {1}  # nothing was taken over
+    warnings = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
+    assert any(f"flowly-run-{blocker}" in w for w in warnings), warnings
+
+
+def test_a_frozen_session_loses_its_locks_within_about_a_lease(dsn: str) -> None:
+    """A worker session left idle in a transaction (its process frozen mid-commit) is ended by
+    the server after about a lease, so its row locks do not outlive it."""
+    with psycopg.connect(dsn, **session.connection_kwargs(1.0)) as frozen:
+        session.configure(frozen, 1.0)
+        frozen.autocommit = False
+        frozen.execute("select 1")  # a transaction is open; then nothing more comes
+        time.sleep(1.5)
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout) as ended:
+            frozen.execute("select 1")
+        assert is_connection_failure(ended.value)  # the worker abandons, it does not fail runs
+
+
+def test_sigterm_ends_a_worker_whose_database_is_gone(
+    empty_dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The worker's database is dropped under it; SIGTERM still ends it within its drain
+    timeout plus the bounded shutdown (a few seconds), not after connection retries."""
+    flowly.install_dsn(empty_dsn)
+    dbname = psycopg.conninfo.conninfo_to_dict(empty_dsn)["dbname"]
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("create table if not exists public.test_effects (run_id text, step text,"
+                     " pid integer, at timestamptz default now())")
+    with worker_process(empty_dsn, "--drain-timeout", "1", "--lease", "2") as worker:
+        wait_for(lambda: scalar(db, "select count(*) from pg_stat_activity where datname = %s",
+                                dbname), what="worker connected")
+        time.sleep(0.5)
+        db.execute(sql.SQL("drop database {} with (force)").format(sql.Identifier(dbname)))
+        time.sleep(1)
+        started = time.monotonic()
+        worker.signal(signal.SIGTERM)
+        worker.proc.wait(20)
+        assert time.monotonic() - started < 10
+
+
+def test_a_sync_step_raising_generator_exit_fails_its_step(
+    dsn: str, client: flowly.Client
+) -> None:
+    run_id = client.start("generator_exit", None)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=30)
+        # the worker is healthy afterwards
+        assert client.wait(client.start("quick", 1), timeout=30).status == "completed"
+    assert run.status == "dead_letter"
+    assert run.error["type"] == "RuntimeError" and "GeneratorExit" in run.error["message"]
+
+
+@pytest.mark.parametrize(("options", "problem"), [
+    ({"run_id": 123}, "run_id .*must be a string"),
+    ({"priority": 1.5}, "priority .*must be an integer"),
+    ({"priority": "high"}, "priority .*must be an integer"),
+    ({"queue": 5}, "queue .*must be a string"),
+    ({"concurrency_key": 7}, "concurrency_key .*must be a string"),
+    ({"max_attempts": "3"}, "max_attempts .*must be an integer"),
+    ({"run_id": "a\x00b"}, "run_id .*must not contain the NUL character"),
+])
+def test_wrong_argument_types_name_the_argument(
+    client: flowly.Client, options: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(flowly.InvalidArgument, match=problem):
+        client.start("quick", None, **options)
+
+
+def test_a_deeply_nested_input_is_refused_clearly(client: flowly.Client) -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(flowly.InvalidArgument, match="not JSON serialisable"):
+        client.start("quick", deep)
+
+
+def test_a_non_finite_schedule_is_refused(db: psycopg.Connection[Any]) -> None:
+    for value in ("infinity", "-infinity"):
+        with pytest.raises(psycopg.Error) as info:
+            db.execute("select flowly.start('quick', scheduled_for => %s::timestamptz)",
+                       (value,))
+        assert info.value.sqlstate == "WF003" and "finite" in str(info.value)
+    assert scalar(db, "select count(*) from flowly.runs") == 0
