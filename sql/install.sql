@@ -56,4 +56,10 @@ select not exists (select from schema_migrations where version = 4) as apply_mig
     insert into schema_migrations (version, name) values (4, '0004_dashboards_at_scale');
 \endif
 
+select not exists (select from schema_migrations where version = 5) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0005_retention.sql
+    insert into schema_migrations (version, name) values (5, '0005_retention');
+\endif
+
 commit;
