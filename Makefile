@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-embedded lint bench bench-peers clean
+.PHONY: demo test test-embedded lint bench bench-peers chaos clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ $(BIN)/.peers: $(BIN)/.installed
 # flowly and DBOS Transact side by side on the same database server
 bench-peers: $(BIN)/.peers
 	$(BIN)/python bench/peers.py $(PEERS_ARGS)
+
+# a mixed workload while workers are killed, frozen and disconnected and the server restarts,
+# on an embedded PostgreSQL of its own; checks the guarantees (about a minute; longer:
+# make chaos CHAOS_ARGS="--duration 600")
+chaos: $(BIN)/.installed
+	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
 
 # stop the embedded servers (the project's and the test suite's) before deleting their data;
 # without the venv, a fast shutdown by signal (what pg_ctl stop -m fast sends)

@@ -86,7 +86,7 @@ create table if not exists public.chaos_expected (
 
 
 class Interrupted(Exception):
-    """SIGTERM (or SIGHUP) arrived: clean up and leave."""
+    """SIGINT, SIGTERM or SIGHUP arrived: clean up and leave."""
 
 
 def _on_signal(signum: int, _frame: Any) -> None:
@@ -435,7 +435,8 @@ class Chaos:
         self.stop_workers()
         print(f"chaos: chaos phase {args.duration:g}s, then {settled:.1f}s for the last runs"
               " to finish", flush=True)
-        return report(self, check(self))
+        injected = inject_faults(self) if args.inject_faults else {}
+        return report(self, check(self), injected)
 
     def stop_workers(self) -> None:
         for worker in self.workers:
@@ -721,10 +722,41 @@ def check_executions(res: Results, run_id: str, execs: list[Exec], by_id: dict[s
             res.counts["fenced executions after the checkpoint"] += 1
 
 
+def inject_faults(chaos: Chaos) -> dict[str, str]:
+    """Break each invariant once in the tables (after the workers stopped), so a run with
+    ``--inject-faults`` shows the checks catch what they claim to. Returns run id -> the
+    counter that must flag it."""
+    q = chaos.sql
+    done = [r[0] for r in q(
+        "select r.id from flowly.runs r join public.chaos_expected x on x.run_id = r.id"
+        " where x.kind = 'steps' and r.status = 'completed'"
+        " and jsonb_array_length(x.input -> 'seconds') >= 3 order by r.id limit 5")]
+    if len(done) < 5:
+        raise SystemExit("chaos: --inject-faults needs 5 completed chaos.steps runs of 3+ steps")
+    dup, lost, poisoned, stuck, breach = done
+    copy_exec = (
+        "insert into public.chaos_exec (exec_id, run_id, step, kind, pid, own_epoch, at)"
+        " select 'fake-' || e.exec_id, e.run_id, e.step, e.kind, e.pid, e.own_epoch + 1,"
+        " s.finished_at + %s * interval '1 second' from flowly.steps s"
+        " join public.chaos_exec e on e.exec_id = s.output ->> 'exec'"
+        " where s.run_id = %s and s.name = %s")
+    q(copy_exec, (1, dup, "s0"))  # s0 again, under a later claim, after its checkpoint
+    q("delete from flowly.steps where run_id = %s and name = 's1'", (lost,))
+    q("update flowly.runs set status = 'dead_letter', error = '{\"type\": \"PoisonRun\"}'"
+      " where id = %s", (poisoned,))
+    q("update flowly.runs set status = 'running' where id = %s", (stuck,))
+    q(copy_exec, (-0.5, breach, "s1"))  # a newer claim ran before s1's checkpoint landed
+    faults = {dup: "duplicated", lost: "lost", poisoned: "innocent dead letters",
+              stuck: "stuck", breach: "fencing breaches"}
+    for run_id, counter in faults.items():
+        print(f"chaos: injected into {run_id}: {counter}")
+    return faults
+
+
 # -- reporting --------------------------------------------------------------------------------
 
 
-def report(chaos: Chaos, res: Results) -> int:
+def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
     f = chaos.figures
     started = sum(f.runs.values())
     children = sum(1 for e in res.expected.values() if e["kind"] == "child")
@@ -747,6 +779,13 @@ def report(chaos: Chaos, res: Results) -> int:
     print("skipped         transactional steps and events (not in this engine yet)")
     for text in f.exits_other:
         print(f"\nnote: {text}")
+    if injected:
+        missed = {run_id: counter for run_id, counter in injected.items()
+                  if run_id not in res.violations or not res.counts[counter]}
+        extra = sorted(set(res.violations) - set(injected))
+        print(f"\nchaos: injected faults {len(injected)}, missed {missed or 'none'}, broken"
+              f" runs besides them {extra or 'none'}")
+        return 1 if missed or extra else 0
     if not res.violations:
         print("\nchaos: every invariant held")
         return 0
@@ -801,18 +840,22 @@ def main() -> int:
                         help="embedded PostgreSQL major version (default: newest)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (logs, stopped cluster)")
+    parser.add_argument("--inject-faults", action="store_true",
+                        help="test the checks: break each invariant once in the tables before"
+                             " checking; exits 0 if every fault was caught")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every chaos event")
     args = parser.parse_args()
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(10**6)
     logging.basicConfig(level=logging.WARNING)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: a shell starting us in the background may have set it to be ignored
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     chaos = Chaos(args)
     try:
         return chaos.run()
     except (KeyboardInterrupt, Interrupted) as exc:
-        print(f"\nchaos: interrupted ({type(exc).__name__} {exc}); cleaning up", file=sys.stderr)
+        print(f"\nchaos: interrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr)
         return 130
     finally:
         chaos.cleanup()
