@@ -23,7 +23,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,20 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="database connections besides the listener (4)")
     parser.add_argument("--max-output-bytes", type=int, default=DEFAULT_MAX_OUTPUT_BYTES,
                         help="largest step or workflow output, in bytes of JSON (8 MiB)")
+    parser.add_argument("--purge-after", type=_age, metavar="AGE",
+                        help="delete runs finished longer ago than this (30d, 12h...), with"
+                             " their history, a bounded batch at a time (default: never)")
+
+
+def _age(text: str) -> timedelta:
+    """An age like 30d or 12h, for argparse."""
+    try:
+        age = client_parse_since(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not isinstance(age, timedelta):
+        raise argparse.ArgumentTypeError(f"expected an age like 30d or 12h, got {text!r}")
+    return age
 
 
 def _module_hint(spec: str) -> str | None:
@@ -216,6 +230,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         drain_timeout=args.drain_timeout,
         max_connections=args.max_connections,
         max_output_bytes=args.max_output_bytes,
+        purge_after=args.purge_after,
     )
 
 
@@ -364,6 +379,20 @@ def cmd_retry(args: argparse.Namespace) -> int:
         _print_json(dataclasses.asdict(run))
     else:
         print(f"run {run.id} restarted: now {run.status}")
+    return EXIT_OK
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    """``purge``: delete finished runs older than an age, with their history, in batches."""
+    age = args.older_than
+    statuses = args.statuses or list(TERMINAL)
+    with _client(args) as client:
+        deleted = client.purge(age, statuses=statuses, batch=args.batch)
+    if args.json:
+        _print_json({"deleted": deleted, "older_than_seconds": age.total_seconds(),
+                     "statuses": statuses})
+    else:
+        print(f"purged {deleted} run(s) finished over {age} ago ({', '.join(statuses)})")
     return EXIT_OK
 
 
@@ -568,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
     cancel = add("cancel", cmd_cancel, "cancel an unfinished run")
     cancel.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    purge = add("purge", cmd_purge, "delete finished runs older than an age, with their history")
+    purge.add_argument("--older-than", required=True, metavar="AGE", type=_age,
+                       help="finished over this long ago: 30d, 12h, 90m...")
+    purge.add_argument("--status", action="append", dest="statuses", choices=list(TERMINAL),
+                       help="only runs in this final status (repeatable; default: all three)")
+    purge.add_argument("--batch", type=int, default=1000,
+                       help="runs deleted per transaction (1000)")
     dead = add("dead-letters", cmd_dead_letters, "list dead-lettered runs")
     dead.add_argument("--workflow")
     dead.add_argument("--limit", type=int, default=50, help="at most this many (50)")

@@ -195,6 +195,10 @@ def parse_since(since: Since) -> datetime | timedelta:
                               f" got {since!r}") from None
 
 
+def _purge_age(older_than: float | timedelta) -> timedelta:
+    return older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
+
+
 def list_runs_query(
     schema: str, *, status: str | None = None, workflow: str | None = None,
     since: Since | None = None, limit: int = 100,
@@ -343,6 +347,17 @@ class Client:
         """Restart a dead-lettered run from its last good checkpoint."""
         return str(self._fetch(self.calls.retry_dead_letter, (run_id,))[0]["retry_dead_letter"])
 
+    def purge(self, older_than: float | timedelta, *, statuses: Collection[str] = TERMINAL,
+              batch: int = 1000) -> int:
+        """Delete runs that finished (with one of ``statuses``) over ``older_than`` ago, with
+        their steps, attempts and timers, ``batch`` runs per transaction so live work never
+        waits long; returns how many were deleted. Unfinished runs are never touched."""
+        args = (_purge_age(older_than), list(statuses), batch)
+        total = 0
+        while (deleted := int(self._fetch(self.calls.purge, args)[0]["purge"])) > 0:
+            total += deleted
+        return total
+
     def list_runs(
         self, *, status: str | None = None, workflow: str | None = None,
         since: Since | None = None, limit: int = 100,
@@ -463,6 +478,15 @@ class AsyncClient:
         """See :meth:`Client.retry_dead_letter`."""
         rows = await self._fetch(self.calls.retry_dead_letter, (run_id,))
         return str(rows[0]["retry_dead_letter"])
+
+    async def purge(self, older_than: float | timedelta, *,
+                    statuses: Collection[str] = TERMINAL, batch: int = 1000) -> int:
+        """See :meth:`Client.purge`."""
+        args = (_purge_age(older_than), list(statuses), batch)
+        total = 0
+        while (deleted := int((await self._fetch(self.calls.purge, args))[0]["purge"])) > 0:
+            total += deleted
+        return total
 
     async def list_runs(
         self, *, status: str | None = None, workflow: str | None = None,

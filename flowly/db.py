@@ -140,6 +140,7 @@ class Calls:
             " parent_step => %(parent_step)s, parent_position => %(parent_position)s)"
         )
         self.cancel = q("select {s}.cancel(%s)")
+        self.purge = q("select {s}.purge(%s, %s, %s)")
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
         self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
         self.unregister_worker = q("select {s}.unregister_worker(%s)")

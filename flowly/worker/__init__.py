@@ -62,6 +62,9 @@ DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
+# the periodic purge (purge_after): how often, and at most how many batches of 1,000 a round
+_PURGE_EVERY = 60.0
+_PURGE_BATCHES_PER_ROUND = 10
 # how long past the drain timeout a stopping worker's orderly shutdown may take in all
 _SHUTDOWN_GRACE = 5.0
 # rows and bytes of replay data one read fetches
@@ -153,7 +156,8 @@ class Worker:
     soon a timer or backoff that just expired is seen). On stop, in-flight runs get up to
     ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
     ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
-    before anything is sent).
+    before anything is sent). With ``purge_after`` the worker deletes runs that finished
+    longer ago than that, with their history, a bounded batch at a time every minute.
     """
 
     def __init__(
@@ -172,6 +176,7 @@ class Worker:
         install_schema: bool = True,
         worker_id: str | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        purge_after: float | timedelta | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -192,6 +197,7 @@ class Worker:
         if max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be positive, got {max_output_bytes}")
         self.max_output_bytes = max_output_bytes
+        self.purge_after = None if purge_after is None else _seconds(purge_after)
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}
@@ -290,6 +296,9 @@ class Worker:
                 asyncio.create_task(self._tell_heartbeat_the_loop_turns(heartbeat),
                                     name="flowly-loop-ticks"),
             ]
+            if self.purge_after is not None:
+                background.append(asyncio.create_task(
+                    self._purge_loop(timedelta(seconds=self.purge_after)), name="flowly-purge"))
             await self._claim_loop()
             await self._drain()
         finally:
@@ -395,6 +404,23 @@ class Worker:
         while True:
             heartbeat.loop_turned()
             await asyncio.sleep(min(0.5, self.lease / 6))
+
+    async def _purge_loop(self, older_than: timedelta) -> None:
+        """Delete old finished runs: a few bounded batches a minute, never much at once."""
+        while True:
+            try:
+                for _ in range(_PURGE_BATCHES_PER_ROUND):
+                    (deleted,), = await self._call(
+                        self._calls.purge,
+                        (older_than, ["completed", "cancelled", "dead_letter"], 1000))
+                    if deleted:
+                        logger.info("purged %d finished run(s) older than %s", deleted,
+                                    older_than)
+                    if deleted < 1000:
+                        break
+            except Exception as exc:  # the next round may get through
+                logger.warning("purging finished runs failed: %s", exc)
+            await asyncio.sleep(_PURGE_EVERY)
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]

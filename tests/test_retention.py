@@ -1,0 +1,134 @@
+"""Retention: purging finished history in bounded batches, from SQL, Python, the CLI and the
+worker, without touching live work."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from tests.support import running_worker, scalar
+from tests.test_cli import flowly as flowly_cli
+from tests.test_cli import ok
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+def _history(db: psycopg.Connection[Any], count: int, age: str = "2 days") -> None:
+    """``count`` finished runs (a third each completed, cancelled, dead-lettered) that
+    finished ``age`` ago, each with a step, a failed attempt and a timer."""
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, finished_at, created_at)
+        select 'old-' || g, 'wf', (array['completed', 'cancelled', 'dead_letter'])[g %% 3 + 1],
+               now() - %(age)s::interval, now() - %(age)s::interval
+        from generate_series(1, %(n)s) g""", {"n": count, "age": age})
+    db.execute("""
+        insert into flowly.steps (run_id, name, seq, status, started_at)
+        select id, 's', nextval('flowly.step_seq'), 'completed', now() from flowly.runs
+        where id like 'old-%'""")
+    db.execute("""
+        insert into flowly.step_attempts (run_id, step_name, generation, attempt, error,
+                                          started_at)
+        select id, 's', 1, 1, '{}', now() from flowly.runs where id like 'old-%'""")
+    db.execute("""
+        insert into flowly.timers (run_id, name, wake_at)
+        select id, 't', now() from flowly.runs where id like 'old-%'""")
+
+
+def _claim_buffers(db: psycopg.Connection[Any]) -> int:
+    """Buffers one warm claim of one run touches (a first call also plans its queries)."""
+    db.execute("select flowly.start('wf') from generate_series(1, 2)")
+    db.execute("select flowly.claim('w', array['wf'], array['default'], 1, '1 hour')")
+    plan = db.execute("explain (analyze, buffers, format json) select * from flowly.claim("
+                      "'w', array['wf'], array['default'], 1, '1 hour')").fetchone()[0]
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    return int(plan[0]["Plan"].get("Shared Hit Blocks", 0)
+               + plan[0]["Plan"].get("Shared Read Blocks", 0))
+
+
+def test_purge_deletes_old_finished_runs_in_batches_and_nothing_live(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    _history(db, 3000)
+    live = [client.start("quick", None) for _ in range(3)]
+    running = scalar(db, "select run_id from flowly.claim('w', array['quick'], array['default'],"
+                         " 1, '1 hour')")
+    recent = client.start("quick", None, run_id="recent")
+    db.execute("select flowly.cancel('recent')")  # finished, but not old enough
+    before = _claim_buffers(db)
+
+    assert client.purge(timedelta(days=1), statuses=["completed"], batch=300) == 1000
+    assert scalar(db, "select count(*) from flowly.runs where status = 'completed'") == 0
+    assert scalar(db, "select flowly.purge('1 day', batch => 1500)") == 1500
+    assert client.purge(86400) == 500
+    assert client.purge(timedelta(days=1)) == 0
+    assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 0
+    for table in ("steps", "step_attempts", "timers"):
+        assert scalar(db, f"select count(*) from flowly.{table}") == 0, table
+    assert {r.id for r in client.list_runs(limit=100)} >= {*live, recent}
+    assert client.get(running).status == "running"
+    counts = {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
+    assert counts == {(w, s): n for w, s, n in db.execute(
+        "select workflow, status, count(*) from flowly.runs group by 1, 2")}
+
+    db.execute("vacuum analyze flowly.runs")
+    assert _claim_buffers(db) <= before * 1.5  # claim cost is about what it was
+
+
+def test_purge_skips_a_locked_run_and_never_waits(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    _history(db, 3)
+    with psycopg.connect(dsn) as other:
+        other.execute("select * from flowly.runs where id = 'old-1' for update")
+        started = time.monotonic()
+        assert scalar(db, "select flowly.purge('1 day')") == 2
+        assert time.monotonic() - started < 2
+    assert scalar(db, "select flowly.purge('1 day')") == 1
+
+
+@pytest.mark.parametrize(("call", "problem"), [
+    ("flowly.purge(null)", "older_than"),
+    ("flowly.purge('-1 day')", "older_than"),
+    ("flowly.purge('1 day', array['running'])", "statuses must be finished statuses"),
+    ("flowly.purge('1 day', batch => 0)", "batch must be a positive"),
+])
+def test_purge_refuses_bad_arguments(db: psycopg.Connection[Any], call: str,
+                                     problem: str) -> None:
+    with pytest.raises(psycopg.Error) as info:
+        db.execute(f"select {call}")
+    assert info.value.sqlstate == "WF003" and problem in str(info.value)
+
+
+def test_flowly_purge_on_the_command_line(dsn: str, db: psycopg.Connection[Any]) -> None:
+    _history(db, 30)
+    out = ok(flowly_cli("purge", "--older-than", "1d", "--status", "cancelled", dsn=dsn))
+    assert "purged 10 run(s)" in out
+    out = ok(flowly_cli("--json", "purge", "--older-than", "1d", dsn=dsn))
+    assert json.loads(out)["deleted"] == 20
+    bad = flowly_cli("purge", "--older-than", "soon", dsn=dsn)
+    assert bad.returncode != 0 and "soon" in bad.stderr
+
+
+def test_a_worker_purges_old_history_when_asked(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    _history(db, 50)
+    with running_worker(dsn, purge_after=timedelta(hours=1)):
+        fresh = client.wait(client.start("quick", 1), timeout=30)
+        deadline = time.monotonic() + 20
+        while scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") and (
+                time.monotonic() < deadline):
+            time.sleep(0.1)
+    assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 0
+    assert client.get(fresh.id).status == "completed"  # finished, but not old enough
