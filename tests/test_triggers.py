@@ -253,6 +253,9 @@ def test_key_types_render_the_same_in_every_session(db: psycopg.Connection[Any],
     assert run_ids(db) == first == [
         "reading:6f1c0cd5-2a39-4b8e-9d4e-3c6f7d0e2a11,2026-01-02T03:04:05+00:00,0.1,"
         "1 day 02:00:00"]
+    # trigger_run_id renders the row the same way, whatever the session's settings
+    assert scalar(db, "select flowly.trigger_run_id('reading', 'device,at,v,span', r)"
+                      " from readings r") == first[0]
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -361,6 +364,23 @@ def test_misplaced_triggers_fail_with_wf003(db: psycopg.Connection[Any], when: s
     assert problem in str(failed.value), str(failed.value)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_other_errors_pass_through_unchanged(db: psycopg.Connection[Any], level: str) -> None:
+    """An error that is not about the row's JSON (here: a trigger on flowly.runs) fails the
+    INSERT with its own SQLSTATE and message."""
+    db.execute("create table orders (id int primary key)")
+    create_trigger(db, "orders", level, "process-order", "id")
+    db.execute("""
+        create function public.refuse() returns trigger language plpgsql as $$
+        begin raise exception 'runs are closed today' using errcode = '55000'; end $$;
+        create trigger refuse before insert on flowly.runs
+            for each row execute function public.refuse();""")
+    with pytest.raises(psycopg.Error) as failed:
+        db.execute("insert into orders values (1)")
+    assert failed.value.sqlstate == "55000"
+    assert str(failed.value).startswith("runs are closed today"), str(failed.value)
+
+
 def test_a_statement_trigger_without_its_transition_table_says_what_to_add(
         db: psycopg.Connection[Any]) -> None:
     db.execute("create table orders (id int primary key)")
@@ -387,7 +407,7 @@ def test_update_trigger_starts_runs_for_new_keys_only(db: psycopg.Connection[Any
                                                       level: str) -> None:
     """On UPDATE the new row is the input; a key that already started a run starts none."""
     db.execute("create table orders (id int primary key, status text)")
-    create_trigger(db, "orders", level, "ship", "id", event="update of status")
+    create_trigger(db, "orders", level, "ship", "id", event="update")
     db.execute("insert into orders values (1, 'new'), (2, 'new')")
     assert run_ids(db) == []
     db.execute("update orders set status = 'paid' where id = 1")
