@@ -14,7 +14,7 @@ import inspect
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import UTC, datetime, timedelta
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
 from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text
 from .errors import (
@@ -29,6 +29,8 @@ from .retry import Retry
 from .workflow import START_OPTIONS, Workflow, WorkflowFn, lookup
 
 T = TypeVar("T")
+Isolation = Literal["read committed", "repeatable read", "serializable"]
+ISOLATION_LEVELS: tuple[Isolation, ...] = ("read committed", "repeatable read", "serializable")
 
 
 class Interrupt(BaseException):
@@ -83,6 +85,12 @@ class RunStore(Protocol):
         self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
         defaults: Workflow | None, record: str, position: int,
     ) -> str: ...
+
+    async def transaction(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        isolation: str | None, started_at: datetime, compensable: bool, position: int,
+        max_output_bytes: int,
+    ) -> tuple[Any, int]: ...
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -317,6 +325,57 @@ class Context:
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
         compensate: Callable[[Any], Any] | None, retry: Retry | None,
     ) -> Any:
+        async def execute(started_at: datetime, position: int) -> tuple[Any, int]:
+            result = await call_user_function(self._store, fn, *args)
+            payload = serialise_output(result, f"step {name!r}", self.max_output_bytes)
+            return await self._write(lambda: self._store.checkpoint(
+                name, payload, started_at, compensate is not None, position))
+
+        return await self._run_step(name, compensate, retry, "step", execute)
+
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        isolation: Isolation | None = None,
+        compensate: Callable[[Any, Any], Any] | None = None,
+        retry: Retry | None = None,
+    ) -> Awaitable[Any]:
+        """Run ``fn(conn, *args)`` inside the transaction that also writes this step's
+        checkpoint: its database effects and the checkpoint commit together or not at all,
+        so they happen exactly once. ``conn`` is a psycopg connection (async for an async
+        ``fn``, sync for a sync one, which runs on a thread) from the worker's pool, with the
+        application's search_path; the transaction first locks the run and checks the lease,
+        so a worker that lost the run commits nothing. ``isolation`` is ``"read committed"``
+        (default), ``"repeatable read"`` or ``"serializable"``: a serialization failure or
+        deadlock starts a fresh transaction, a few times, before the step fails through
+        ``retry``. ``compensate(conn, output)`` runs in a transaction of its own that also
+        records its outcome. The output must be JSON, as for :meth:`step`.
+        """
+        if isolation is not None and isolation not in ISOLATION_LEVELS:
+            raise WorkflowCodeError(f"transaction {name!r}: isolation must be one of"
+                                    f" {', '.join(ISOLATION_LEVELS)}, got {isolation!r}")
+        return self._track(f"transaction {name!r}",
+                           self._transaction(name, fn, args, isolation, compensate, retry))
+
+    async def _transaction(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        isolation: Isolation | None, compensate: Callable[[Any, Any], Any] | None,
+        retry: Retry | None,
+    ) -> Any:
+        async def execute(started_at: datetime, position: int) -> tuple[Any, int]:
+            return await self._write(lambda: self._store.transaction(
+                name, fn, args, isolation, started_at, compensate is not None, position,
+                self.max_output_bytes), refused_raises=True)
+
+        return await self._run_step(name, compensate, retry, "transaction", execute)
+
+    async def _run_step(
+        self, name: str, compensate: Callable[..., Any] | None, retry: Retry | None,
+        kind: str, execute: Callable[[datetime, int], Awaitable[tuple[Any, int]]],
+    ) -> Any:
+        """Replay a step, or execute it and checkpoint it, failing it per its retry policy."""
         position = self._claim_name(name)
         if compensate is not None:
             self.compensations[name] = compensate
@@ -335,23 +394,21 @@ class Context:
         executing = True
         try:
             try:
-                result = await call_user_function(self._store, fn, *args)
-                payload = serialise_output(result, f"step {name!r}", self.max_output_bytes)
-                output, seq = await self._write(lambda: self._store.checkpoint(
-                    name, payload, started_at, compensate is not None, position))
+                output, seq = await execute(started_at, position)
             except Interrupt:
                 raise
             except BaseException as exc:  # a poison step fails its run, never the worker
                 if cancel_requested(exc):
                     raise
-                # the output was refused (not JSON, or not storable): no retry can change it
+                # an output that was refused (not JSON, too large, not storable), a mistake
+                # in the code: no retry can change it
                 retryable = not isinstance(exc, NOT_RETRYABLE)
                 self._executing -= 1
                 executing = False
                 self._notify()
                 await self._fail_step(name, exc, started_at, policy, retryable, position)
             self.history.record(name, StoredStep("completed", output, seq, compensate is not None,
-                                                 position=position))
+                                                 position=position, kind=kind))
             return output
         finally:
             self._in_flight -= 1

@@ -156,6 +156,13 @@ class Calls:
         self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s, %s)")
         self.fail_step = q(
             "select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+        self.begin_transaction_step = q("select {s}.begin_transaction_step(%s, %s)")
+        self.checkpoint_transaction = q(
+            "select * from {s}.checkpoint_transaction(%s, %s, %s, %s::jsonb, %s, %s, %s)")
+        self.begin_compensation_transaction = q(
+            "select {s}.begin_compensation_transaction(%s, %s)")
+        self.record_compensation_transaction = q(
+            "select {s}.record_compensation_transaction(%s, %s, %s)")
         self.fail_run = q("select * from {s}.fail_run(%s, %s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")

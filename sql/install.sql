@@ -68,4 +68,10 @@ select not exists (select from schema_migrations where version = 7) as apply_mig
     insert into schema_migrations (version, name) values (7, '0007_start_trigger');
 \endif
 
+select not exists (select from schema_migrations where version = 8) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0008_transactional_steps.sql
+    insert into schema_migrations (version, name) values (8, '0008_transactional_steps');
+\endif
+
 commit;

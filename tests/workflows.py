@@ -425,3 +425,88 @@ async def generator_exit(ctx: flowly.Context, inp: Any) -> Any:
         raise GeneratorExit("from a closed generator")
 
     return await ctx.step("leak", leak, retry=flowly.Retry(max_attempts=1))
+
+
+ACCOUNTS_TABLE = """
+create table if not exists public.accounts (name text primary key, balance bigint not null)
+"""
+
+
+def _move(conn: psycopg.Connection[Any], account: str, amount: int) -> int:
+    row = conn.execute("update accounts set balance = balance + %s where name = %s"
+                       " returning balance", (amount, account)).fetchone()
+    assert row is not None, f"no account {account}"
+    return int(row[0])
+
+
+async def _move_async(conn: psycopg.AsyncConnection[Any], account: str, amount: int) -> int:
+    cursor = await conn.execute("update accounts set balance = balance + %s where name = %s"
+                                " returning balance", (amount, account))
+    row = await cursor.fetchone()
+    assert row is not None, f"no account {account}"
+    return int(row[0])
+
+
+@flowly.workflow("transfer")
+async def transfer(ctx: flowly.Context, inp: dict[str, Any]) -> list[int]:
+    """Debit and credit as transactional steps (sync or async functions)."""
+    move = _move_async if inp.get("async") else _move
+    debit = await ctx.transaction("debit", move, inp["from"], -inp["amount"])
+    await ctx.step("pause", time.sleep, inp.get("pause", 0))
+    credit = await ctx.transaction("credit", move, inp["to"], inp["amount"])
+    return [debit, credit]
+
+
+@flowly.workflow("transfer_untransacted")
+async def transfer_untransacted(ctx: flowly.Context, inp: dict[str, Any]) -> None:
+    """The same transfer with ordinary steps: each commits its update on its own connection,
+    then (slowly) returns, so a crash in between applies it twice."""
+    def move(account: str, amount: int) -> None:
+        with psycopg.connect(os.environ["FLOWLY_DSN"], autocommit=True) as conn:
+            _move(conn, account, amount)
+        time.sleep(inp.get("pause", 0))
+
+    await ctx.step("debit", move, inp["from"], -inp["amount"])
+    await ctx.step("credit", move, inp["to"], inp["amount"])
+
+
+@flowly.workflow("transaction_cases")
+async def transaction_cases(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    """One transactional step per case: 'conflicts' (the SQL loses a serialization race
+    ``conflicts`` times), 'fails' (updates, then raises), 'saga' (a compensable transactional
+    step, then a failing step), 'slow' (updates, records that it started, then sleeps)."""
+    case = inp["case"]
+    tries = CALLS[ctx.run_id]
+
+    def conflicting(conn: psycopg.Connection[Any]) -> int:
+        tries.append("try")
+        _move(conn, "a", 1)
+        if len(tries) <= inp.get("conflicts", 0):
+            conn.execute("do $$ begin raise exception 'lost a race' using errcode = '40001';"
+                         " end $$")
+        return len(tries)
+
+    def failing(conn: psycopg.Connection[Any]) -> None:
+        _move(conn, "a", 1)
+        raise ValueError("changed my mind")
+
+    def slow(conn: psycopg.Connection[Any]) -> int:
+        record_effect(ctx.run_id, "slow")
+        balance = _move(conn, "a", 1)
+        time.sleep(inp["seconds"])
+        return balance
+
+    retry = flowly.Retry(max_attempts=1)
+    if case == "conflicts":
+        return await ctx.transaction("move", conflicting, isolation="serializable", retry=retry)
+    if case == "fails":
+        return await ctx.transaction("move", failing, retry=retry)
+    if case == "slow":
+        return await ctx.transaction("move", slow)
+    assert case == "saga"
+    await ctx.transaction("move", _move, "a", 5,
+                          compensate=lambda conn, out: _move(conn, "a", -5))
+    def fail() -> None:
+        raise ValueError("the next step fails")
+
+    return await ctx.step("fails", fail, retry=retry)

@@ -51,6 +51,7 @@ from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .heartbeat import Heartbeat
 from .step_threads import StepThreads
+from .transactions import Transactions
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,15 @@ class _RunStore:
         row = await self._worker._call_one(self._worker._calls.start, params)
         return str(row[0])
 
+    async def transaction(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        isolation: str | None, started_at: datetime, compensable: bool, position: int,
+        max_output_bytes: int,
+    ) -> tuple[Any, int]:
+        return await self._worker._transactions.step(
+            self._held.run_id, self._held.epoch, name, fn, args, isolation, started_at,
+            compensable, position, max_output_bytes)
+
     async def read_page(self, after_seq: int) -> list[Any]:
         return await self._worker._call(
             self._worker._calls.replay, (self._held.run_id, after_seq, _REPLAY_PAGE_ROWS))
@@ -206,6 +216,7 @@ class Worker:
         self._step_threads = StepThreads(concurrency)
         self._pool: AsyncConnectionPool | None = None
         self._committer: GroupCommitter
+        self._transactions: Transactions
 
     # -- public -----------------------------------------------------------------------------
 
@@ -275,6 +286,9 @@ class Worker:
     async def _serve(self, pool: AsyncConnectionPool) -> None:
         self._committer = GroupCommitter(pool, self._calls)
         self._committer.start()
+        self._transactions = Transactions(
+            dsn=self.dsn, calls=self._calls, pool=pool, lease=self.lease,
+            max_connections=self.max_connections, threads=self._step_threads)
         background: list[asyncio.Task[None]] = []
         heartbeat: Heartbeat | None = None
         try:
@@ -309,6 +323,7 @@ class Worker:
             if heartbeat is not None:
                 await asyncio.to_thread(heartbeat.stop, _SHUTDOWN_CALL_TIMEOUT)
             await self._committer.close(_SHUTDOWN_CALL_TIMEOUT)
+            await asyncio.to_thread(self._transactions.close)
             self._step_threads.close()
             try:
                 await asyncio.wait_for(
@@ -546,7 +561,14 @@ class Worker:
                                     " compensation is unknown"}
             else:
                 try:
+                    if step.kind == "transaction":  # its success is recorded in its transaction
+                        await run_write(held.run_id, partial(
+                            self._transactions.compensate, held.run_id, held.epoch, name, fn,
+                            step.output), refused_raises=True)
+                        continue
                     await call_user_function(store, fn, step.output)
+                except (LeaseLostInterrupt, RunAbandoned):
+                    raise
                 except BaseException as exc:  # one failing compensation must not stop the rest
                     if cancel_requested(exc):
                         raise

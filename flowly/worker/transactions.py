@@ -1,0 +1,165 @@
+"""Transactional steps: the user's SQL and the step's checkpoint in one transaction.
+
+A transactional step borrows a connection from the worker's pool (an async one for an async
+function; a sync one, from a second pool opened on first use, for a sync function, which runs
+on a step thread), opens a transaction, locks the run and checks the lease
+(``begin_transaction_step``), calls ``fn(conn, *args)``, writes the checkpoint
+(``checkpoint_transaction``) and commits. Nothing of it commits if the lease was lost, the
+function failed or the connection broke. A serialization failure or deadlock of the user's SQL
+starts a fresh transaction, up to a few times. Transactional compensations work the same way
+with ``record_compensation`` in place of the checkpoint.
+
+Why not group-commit them like ordinary checkpoints: the user's SQL runs in the transaction, so
+one run's slow or failing SQL would hold up or roll back every other run in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from ..context import serialise_output
+from ..db import Calls, translated_errors
+from ..errors import FlowlyError
+from . import session
+from .step_threads import StepThreads
+
+# fresh transactions a step gets after its SQL lost a serialization race or a deadlock
+SERIALIZATION_TRIES = 5
+# the user's SQL may run as long as it needs (the heartbeat keeps the lease meanwhile), and
+# pause between statements this many leases before the server ends the transaction (a
+# frozen worker's locks must still die)
+_IDLE_LEASES = 4
+_RELAXED_TIMEOUTS = ("select set_config('statement_timeout', '0', true),"
+                     " set_config('idle_in_transaction_session_timeout', %s, true)")
+_SERIALIZATION_STATES = frozenset({"40001", "40P01"})
+
+
+class TransactionConflict(FlowlyError):
+    """A transactional step's SQL kept losing serialization races (or deadlocks): the step
+    fails through its retry policy, like any failure."""
+
+
+class Transactions:
+    """Runs transactional steps and compensations for one worker."""
+
+    def __init__(self, *, dsn: str, calls: Calls, pool: AsyncConnectionPool, lease: float,
+                 max_connections: int, threads: StepThreads) -> None:
+        self._dsn = dsn
+        self._calls = calls
+        self._pool = pool
+        self._lease = lease
+        self._max_connections = max_connections
+        self._threads = threads
+        # the group commit, claims and heartbeats must always find a connection
+        self._slots = asyncio.Semaphore(max(1, max_connections - 2))
+        self._relaxed_timeouts = (str(int(lease * 1000 * _IDLE_LEASES)),)
+        self._sync_pool: ConnectionPool | None = None
+        self._sync_pool_lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._sync_pool is not None:
+            self._sync_pool.close(timeout=1.0)
+
+    async def step(
+        self, run_id: str, epoch: int, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        isolation: str | None, started_at: datetime, compensable: bool, position: int,
+        max_output_bytes: int,
+    ) -> tuple[Any, int]:
+        """Execute a transactional step; returns its stored output and sequence number."""
+        def finish(result: Any) -> tuple[sql.Composed, tuple[Any, ...]]:
+            payload = serialise_output(result, f"step {name!r}", max_output_bytes)
+            return self._calls.checkpoint_transaction, (
+                run_id, epoch, name, payload, started_at, compensable, position)
+
+        row = await self._run(self._calls.begin_transaction_step, (run_id, epoch), fn, args,
+                              isolation, finish)
+        return row[0], row[1]
+
+    async def compensate(self, run_id: str, epoch: int, name: str, fn: Callable[..., Any],
+                         output: Any) -> None:
+        """Run a transactional compensation and record its success in one transaction."""
+        def finish(_: Any) -> tuple[sql.Composed, tuple[Any, ...]]:
+            return self._calls.record_compensation_transaction, (run_id, epoch, name)
+
+        await self._run(self._calls.begin_compensation_transaction, (run_id, epoch), fn,
+                        (output,), None, finish)
+
+    async def _run(
+        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        args: tuple[Any, ...], isolation: str | None,
+        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+    ) -> Any:
+        async with self._slots:
+            for attempt in range(1, SERIALIZATION_TRIES + 1):
+                try:
+                    if inspect.iscoroutinefunction(fn):
+                        return await self._run_async(begin, begin_args, fn, args, isolation,
+                                                     finish)
+                    return await self._threads.run(self._run_sync, begin, begin_args, fn, args,
+                                                   isolation, finish)
+                except psycopg.Error as exc:
+                    if exc.sqlstate not in _SERIALIZATION_STATES:
+                        raise
+                    if attempt == SERIALIZATION_TRIES:
+                        raise TransactionConflict(
+                            f"the transaction failed {attempt} times in a row: {exc}") from exc
+            raise AssertionError("unreachable")
+
+    async def _run_async(
+        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        args: tuple[Any, ...], isolation: str | None,
+        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+    ) -> Any:
+        async with self._pool.connection() as conn, conn.transaction():
+            if isolation is not None:
+                await conn.execute(_set_isolation(isolation))
+            await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
+            with translated_errors():
+                await conn.execute(begin, begin_args)
+            result = await fn(conn, *args)
+            query, params = finish(result)
+            with translated_errors():
+                cursor = await conn.execute(query, params)
+                return await cursor.fetchone()
+
+    def _run_sync(
+        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        args: tuple[Any, ...], isolation: str | None,
+        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+    ) -> Any:
+        with self._sync_connections().connection() as conn, conn.transaction():
+            if isolation is not None:
+                conn.execute(_set_isolation(isolation))
+            conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
+            with translated_errors():
+                conn.execute(begin, begin_args)
+            result = fn(conn, *args)
+            query, params = finish(result)
+            with translated_errors():
+                return conn.execute(query, params).fetchone()
+
+    def _sync_connections(self) -> ConnectionPool:
+        """The pool for sync transactional functions, opened on first use (from a thread)."""
+        with self._sync_pool_lock:
+            if self._sync_pool is None:
+                lease = self._lease
+                self._sync_pool = ConnectionPool(
+                    self._dsn, min_size=0, max_size=self._max_connections,
+                    kwargs=session.connection_kwargs(lease), name="flowly-transactions",
+                    configure=lambda conn: session.configure(conn, lease), open=True,
+                    timeout=max(lease, 5.0))
+            return self._sync_pool
+
+
+def _set_isolation(isolation: str) -> sql.Composed:
+    # a fixed keyword checked by Context.transaction, never user text
+    return sql.SQL("set transaction isolation level {}").format(sql.SQL(isolation))
