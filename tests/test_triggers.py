@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from psycopg import sql
 import flowly
 from flowly.schema import install
 from tests import workflows  # noqa: F401 (registers the workflows workers run)
-from tests.support import running_worker, scalar
+from tests.support import ROOT, running_worker, scalar
 
 LEVELS = ("row", "statement")
 
@@ -54,6 +55,13 @@ def runs(conn: psycopg.Connection[Any], schema: str = "flowly") -> list[tuple[An
 
 def run_ids(conn: psycopg.Connection[Any], schema: str = "flowly") -> list[str]:
     return [r[0] for r in runs(conn, schema)]
+
+
+def one(conn: psycopg.Connection[Any], query: sql.Composed) -> Any:
+    """The one value ``query`` returns."""
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return row[0]
 
 
 def notifications(conn: psycopg.Connection[Any], wait: float = 0.3) -> list[tuple[str, str]]:
@@ -303,6 +311,21 @@ def test_a_key_too_long_for_a_run_id_gets_a_digest(db: psycopg.Connection[Any],
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_workflow_name_too_long_for_digest_ids_is_refused(db: psycopg.Connection[Any],
+                                                            level: str) -> None:
+    """A key that needs a digest under a workflow name so long that even the digest id passes
+    1,000 bytes: WF003 saying so (a short key under the same name still works)."""
+    db.execute("create table docs (path text primary key)")
+    create_trigger(db, "docs", level, "w" * 990, "path")
+    db.execute("insert into docs values ('a')")
+    with pytest.raises(psycopg.Error) as failed:
+        db.execute("insert into docs values (%s)", ("b" * 20,))
+    assert failed.value.sqlstate == "WF003"
+    assert "too long to make run ids from keys" in str(failed.value), str(failed.value)
+    assert run_ids(db) == ["w" * 990 + ":a"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_row_whose_json_cannot_be_built_fails_the_insert(db: psycopg.Connection[Any],
                                                            level: str) -> None:
     """A json column holding \\u0000 cannot become jsonb: the INSERT fails with an error that
@@ -452,11 +475,11 @@ def test_start_and_start_trigger_in_a_non_default_schema(empty_dsn: str, schema:
         conn.execute("set search_path = app")
         conn.execute("create table orders (id int primary key, sku text)")
         create_trigger(conn, "orders", level, "process-order", "id", schema=schema)
-        channel = scalar(conn, sql.SQL("select {}.wakeup_channel()").format(s))
+        channel = one(conn, sql.SQL("select {}.wakeup_channel()").format(s))
         conn.execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
         conn.execute("insert into orders values (1, 'book')")
-        started = scalar(conn, sql.SQL("select {}.start('quick', '{{\"n\": 1}}',"
-                                       " run_id => 'by-hand')").format(s))
+        started = one(conn, sql.SQL("select {}.start('quick', '{{\"n\": 1}}',"
+                                    " run_id => 'by-hand')").format(s))
         assert started == "by-hand"
         assert runs(conn, schema) == [
             ("by-hand", "quick", "default", 0, "pending", {"n": 1}),
@@ -489,3 +512,17 @@ def test_bulk_insert_is_not_slow(db: psycopg.Connection[Any]) -> None:
     db.execute("insert into orders select g, 'sku' from generate_series(1, 10000) g")
     assert time.monotonic() - started < 10
     assert scalar(db, "select count(*) from flowly.runs") == 10000
+
+
+def test_readme_other_schema_example_runs(empty_dsn: str) -> None:
+    """The README's ```sql other-schema block (test_readme runs the plain ```sql blocks against
+    schema "flowly") works against flowly installed in schema "my app"."""
+    readme = (ROOT / "README.md").read_text()
+    [block] = re.findall(r"```sql other-schema\n(.*?)```", readme, re.DOTALL)
+    assert "installed with: flowly install --schema 'my app'" in block
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        install(conn, "my app")
+        conn.execute("create table orders (id int primary key, sku text)")
+        conn.execute(block)
+        conn.execute("insert into orders values (7, 'book'), (8, 'pen')")
+        assert run_ids(conn, "my app") == ["order-1002", "order:7", "order:8"]

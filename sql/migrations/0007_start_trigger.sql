@@ -17,8 +17,9 @@
 -- first two; the JSON error keeps its own SQLSTATE), naming the table, the column or the key.
 --
 -- The statement-level form inserts all the statement's runs with one insert ... select and
--- sends one NOTIFY per statement; the row form calls start per row (whose NOTIFYs PostgreSQL
--- folds into one per transaction, being identical). Key values are rendered by to_jsonb under
+-- sends one NOTIFY per statement; the row form calls insert_run (start's insert) per row, whose
+-- identical NOTIFYs PostgreSQL folds into one per transaction. A bulk INSERT wants the
+-- statement form: bench/trigger_insert.py measures both. Key values are rendered by to_jsonb under
 -- pinned settings (UTC, shortest float digits, postgres interval style), so a session's
 -- TimeZone or IntervalStyle never changes a run id.
 --
@@ -102,6 +103,12 @@ begin
     v_id := p_workflow || ':' || v_key;
     if octet_length(v_id) > max_name_bytes() then
         v_id := p_workflow || ':sha256:' || encode(sha256(convert_to(v_key, 'UTF8')), 'hex');
+        if octet_length(v_id) > max_name_bytes() then
+            raise exception '%: the workflow name (% bytes) is too long to make run ids from'
+                ' keys: with the key''s digest the id is % bytes; the limit is % bytes',
+                p_source, octet_length(p_workflow), octet_length(v_id), max_name_bytes()
+                using errcode = 'WF003';
+        end if;
     end if;
     return v_id;
 end
@@ -153,7 +160,7 @@ end
 $$;
 
 -- Starts one run per new row of the INSERT or UPDATE that fired it (see the header for the
--- arguments), in that statement's transaction: for each row through start, for each
+-- arguments), in that statement's transaction: for each row through insert_run, for each
 -- statement with one insert ... select over the transition table and one NOTIFY. An existing
 -- run id (a replay, a re-inserted key, a key shared by rows) starts nothing.
 create function start_trigger() returns trigger
@@ -190,9 +197,18 @@ begin
         raise exception '% starts runs for new rows: fire it on INSERT or UPDATE, not %',
             v_source, tg_op using errcode = 'WF003';
     end if;
-    perform check_name('workflow', v_workflow);
-    perform check_name('queue', v_queue);
-    v_columns := trigger_key_columns(tg_argv[1]);
+    -- per row, so check_name and trigger_key_columns only run when there is more to say
+    if v_workflow is null or v_workflow = '' or octet_length(v_workflow) > max_name_bytes() then
+        perform check_name('workflow', v_workflow);
+    end if;
+    if v_queue = '' or octet_length(v_queue) > max_name_bytes() then
+        perform check_name('queue', v_queue);
+    end if;
+    if tg_argv[1] ~ '^[a-z_][a-z0-9_$]*$' then
+        v_columns := array[tg_argv[1]];
+    else
+        v_columns := trigger_key_columns(tg_argv[1]);
+    end if;
     if tg_nargs = 4 then
         v_priority := null;
         if tg_argv[3] ~ '^\s*[-+]?\d{1,10}\s*$' then
@@ -216,8 +232,9 @@ begin
                 into v_key using new;
             perform raise_row_json_error(v_source, v_key, v_state, v_message, v_detail);
         end;
-        perform start(v_workflow, v_input, key_run_id(v_workflow, v_columns, v_input, v_source),
-                      v_queue, v_priority);
+        -- what start would do, minus the checks made above
+        v_key := insert_run(key_run_id(v_workflow, v_columns, v_input, v_source), v_workflow,
+                            v_queue, v_input, v_priority, now(), null, 3, null, null);
         return null;
     end if;
 
