@@ -8,6 +8,8 @@ PL/pgSQL (``sql/``); this package registers workflows, runs them and talks to th
 from .client import AsyncClient, Client, Run, Step
 from .context import Context, Interrupt, SleepInterrupt
 from .errors import (
+    ChildFailed,
+    EventTimeout,
     FlowlyError,
     InvalidArgument,
     InvalidState,
@@ -30,6 +32,8 @@ from .workflow import Workflow, workflow
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChildFailed",
+    "EventTimeout",
     "AsyncClient",
     "Client",
     "Context",

@@ -382,6 +382,18 @@ def cmd_retry(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_send_event(args: argparse.Namespace) -> int:
+    """``send-event``: send an event to a run (its next wait for that name receives it)."""
+    payload = _parse_input(args.payload)
+    with _client(args) as client:
+        seq = client.send_event(_resolved(args, client), args.name, payload)
+    if args.json:
+        _print_json({"run_id": args.run_id, "name": args.name, "seq": seq})
+    else:
+        print(f"event {args.name!r} sent to run {args.run_id}")
+    return EXIT_OK
+
+
 def cmd_purge(args: argparse.Namespace) -> int:
     """``purge``: delete finished runs older than an age, with their history, in batches."""
     age = args.older_than
@@ -597,6 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
     cancel = add("cancel", cmd_cancel, "cancel an unfinished run")
     cancel.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    send_event = add("send-event", cmd_send_event,
+                     "send an event to a run (ctx.wait_for_event receives it)")
+    send_event.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    send_event.add_argument("name", metavar="NAME", help="the event's name")
+    send_event.add_argument("payload", metavar="PAYLOAD_JSON", nargs="?",
+                            help="the event's payload as JSON ('-' reads standard input)")
     purge = add("purge", cmd_purge, "delete finished runs older than an age, with their history")
     purge.add_argument("--older-than", required=True, metavar="AGE", type=_age,
                        help="finished over this long ago: 30d, 12h, 90m...")

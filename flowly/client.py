@@ -7,7 +7,6 @@ and so commits or rolls back with the caller's transaction.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -20,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from .db import TERMINAL, Calls, check_schema_name, translated_errors
+from .db import TERMINAL, Calls, check_schema_name, dumps, translated_errors
 from .errors import InvalidArgument, RunNotFound, RunTimeout
 from .workflow import WorkflowFn, lookup, start_params
 
@@ -195,6 +194,13 @@ def parse_since(since: Since) -> datetime | timedelta:
                               f" got {since!r}") from None
 
 
+def _event_payload(payload: Any) -> str:
+    try:
+        return dumps(payload)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"event payload is not JSON serialisable: {exc}") from exc
+
+
 def _purge_age(older_than: float | timedelta) -> timedelta:
     return older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
 
@@ -244,6 +250,8 @@ class Client:
         self.dsn = dsn
         self.calls = Calls(schema)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        # LISTENs for finished runs, opened by the first wait that has to wait
+        self._listener: psycopg.Connection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
 
     def __enter__(self) -> Client:
@@ -253,9 +261,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in (self._conn, self._listener):
+            if conn is not None:
+                conn.close()
+        self._conn = self._listener = None
 
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
@@ -322,7 +331,8 @@ class Client:
         self, run_id: str, status: str | Collection[str] | None = None,
         timeout: float | None = None,
     ) -> Run:
-        """Poll until the run reaches ``status`` (default: any terminal status).
+        """Wait until the run reaches ``status`` (default: any terminal status): woken by the
+        NOTIFY its finishing sends, with polling (every 0.5 s at most) as the fallback.
 
         Raises :class:`RunTimeout` after ``timeout`` seconds.
         """
@@ -337,7 +347,20 @@ class Client:
                 served = self.is_served(run.workflow, run.queue) if run.status == "pending" \
                     else None
                 raise RunTimeout(_timeout_message(run, timeout, served))
-            time.sleep(pause)
+            self._until_finished(run_id, pause)
+
+    def _until_finished(self, run_id: str, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the NOTIFY that says ``run_id`` finished."""
+        if self._listener is None or self._listener.closed:
+            self._listener = psycopg.connect(self.dsn, autocommit=True)
+            channel = self._listener.execute(self.calls.finished_channel).fetchone()
+            assert channel is not None
+            self._listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel[0])))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            for notice in self._listener.notifies(timeout=left, stop_after=1):
+                if notice.payload == run_id:
+                    return
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
@@ -346,6 +369,14 @@ class Client:
     def retry_dead_letter(self, run_id: str) -> str:
         """Restart a dead-lettered run from its last good checkpoint."""
         return str(self._fetch(self.calls.retry_dead_letter, (run_id,))[0]["retry_dead_letter"])
+
+    def send_event(self, run_id: str, name: str, payload: Any = None, *,
+                   conn: psycopg.Connection[Any] | None = None) -> int:
+        """Send event ``name`` with a JSON ``payload`` to a run (its next
+        ``ctx.wait_for_event(name)`` receives it); returns the event's sequence number.
+        ``conn`` joins the caller's transaction."""
+        rows = self._fetch(self.calls.send_event, (run_id, name, _event_payload(payload)), conn)
+        return int(rows[0]["send_event"])
 
     def purge(self, older_than: float | timedelta, *, statuses: Collection[str] = TERMINAL,
               batch: int = 1000) -> int:
@@ -387,6 +418,7 @@ class AsyncClient:
         self.dsn = dsn
         self.calls = Calls(schema)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        self._listener: psycopg.AsyncConnection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -396,9 +428,10 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-            self._conn = None
+        for conn in (self._conn, self._listener):
+            if conn is not None:
+                await conn.close()
+        self._conn = self._listener = None
 
     async def _fetch(self, query: Any, params: Any,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
@@ -468,7 +501,21 @@ class AsyncClient:
                 served = (await self.is_served(run.workflow, run.queue)
                           if run.status == "pending" else None)
                 raise RunTimeout(_timeout_message(run, timeout, served))
-            await asyncio.sleep(pause)
+            await self._until_finished(run_id, pause)
+
+    async def _until_finished(self, run_id: str, timeout: float) -> None:
+        """See :meth:`Client._until_finished`."""
+        if self._listener is None or self._listener.closed:
+            self._listener = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+            cursor = await self._listener.execute(self.calls.finished_channel)
+            channel = await cursor.fetchone()
+            assert channel is not None
+            await self._listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel[0])))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            async for notice in self._listener.notifies(timeout=left, stop_after=1):
+                if notice.payload == run_id:
+                    return
 
     async def cancel(self, run_id: str) -> str:
         """See :meth:`Client.cancel`."""
@@ -478,6 +525,13 @@ class AsyncClient:
         """See :meth:`Client.retry_dead_letter`."""
         rows = await self._fetch(self.calls.retry_dead_letter, (run_id,))
         return str(rows[0]["retry_dead_letter"])
+
+    async def send_event(self, run_id: str, name: str, payload: Any = None, *,
+                         conn: psycopg.AsyncConnection[Any] | None = None) -> int:
+        """See :meth:`Client.send_event`."""
+        rows = await self._fetch(self.calls.send_event,
+                                 (run_id, name, _event_payload(payload)), conn)
+        return int(rows[0]["send_event"])
 
     async def purge(self, older_than: float | timedelta, *,
                     statuses: Collection[str] = TERMINAL, batch: int = 1000) -> int:

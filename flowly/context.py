@@ -18,6 +18,8 @@ from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
 from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text
 from .errors import (
+    ChildFailed,
+    EventTimeout,
     InvalidArgument,
     LeaseLost,
     OutputTooLarge,
@@ -39,6 +41,10 @@ class Interrupt(BaseException):
 
 class SleepInterrupt(Interrupt):
     """The run sleeps on a durable timer; it was released and resumes at wake time."""
+
+
+class WaitInterrupt(Interrupt):
+    """The run waits for an event or another run; the worker parks it once the body ended."""
 
 
 class RetryInterrupt(Interrupt):
@@ -91,6 +97,14 @@ class RunStore(Protocol):
         isolation: str | None, started_at: datetime, compensable: bool, position: int,
         max_output_bytes: int,
     ) -> tuple[Any, int]: ...
+
+    async def wait_for_event(
+        self, step: str, event: str, timeout: float | None, position: int
+    ) -> tuple[str, Any]: ...
+
+    async def wait_for_run(
+        self, step: str, target: str, position: int
+    ) -> tuple[str, str | None, Any, Any]: ...
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -208,12 +222,13 @@ class _Call:
         return self.coroutine.__await__()
 
 
-def _start_record_name(child_id: str) -> str:
-    """The parent's step name that records the id of a child it started."""
-    name = f"start:{child_id}"
+def _record_name(kind: str, key: str) -> str:
+    """The step name under which a run records what it observed (a child it started, an
+    event, another run's outcome): readable, or a digest of ``key`` when too long."""
+    name = f"{kind}:{key}"
     if len(name.encode("utf-8", "surrogatepass")) <= _MAX_NAME_BYTES:
         return name
-    return f"start:sha256:{hashlib.sha256(child_id.encode('utf-8', 'surrogatepass')).hexdigest()}"
+    return f"{kind}:sha256:{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()}"
 
 
 class Context:
@@ -252,6 +267,9 @@ class Context:
         self._in_flight = 0
         self._changed = asyncio.Event()
         self._calls: list[_Call] = []
+        # the waits this execution reached that must wait (the run is parked on them)
+        self.waiting: list[str] = []
+        self._wait_counts: dict[str, int] = {}
 
     @property
     def compensating(self) -> bool:
@@ -503,7 +521,7 @@ class Context:
         count = self._child_counts.get(name, 0) + 1
         self._child_counts[name] = count
         child_id = run_id or f"{self.run_id}:{name}:{count}"
-        record = _start_record_name(child_id)
+        record = _record_name("start", child_id)
         position = self._claim_name(record)
         stored = await self._write(lambda: self.history.get(record))
         if isinstance(stored, StoredStep):
@@ -515,6 +533,90 @@ class Context:
         self.history.record(record, StoredStep("completed", started, 0, position=position,
                                                kind="start"))
         return started
+
+    def wait_for_event(self, name: str, timeout: float | timedelta | None = None
+                       ) -> Awaitable[Any]:
+        """The payload of the next event ``name`` sent to this run (``flowly.send_event``).
+
+        An event sent before the wait is not lost; each wait consumes one, oldest first. The
+        run holds no worker while it waits and wakes as soon as the event is sent. After
+        ``timeout`` (measured from the first time the wait is reached) it raises
+        :class:`flowly.EventTimeout`. The outcome is recorded, so a replay sees the same.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        return self._track(f"wait for event {name!r}", self._wait_for_event(name, seconds))
+
+    async def _wait_for_event(self, name: str, timeout: float | None) -> Any:
+        record = self._wait_record("event", name)
+        position = self._claim_name(record)
+        stored = await self._write(lambda: self.history.get(record))
+        if isinstance(stored, StoredStep):
+            outcome = stored.output
+        else:
+            if self._halted is not None:
+                raise CompensateInterrupt(self._halted)
+            state, payload = await self._waited(lambda: self._store.wait_for_event(
+                record, name, timeout, position))
+            if state == "waiting":
+                self.waiting.append(record)
+                raise WaitInterrupt(record)
+            outcome = {"payload": payload} if state == "received" else {"timeout": True}
+            self.history.record(record, StoredStep("completed", outcome, 0, position=position,
+                                                   kind="event"))
+        if "payload" not in outcome:
+            raise EventTimeout(f"no event {name!r} within {timeout}s")
+        return outcome["payload"]
+
+    def wait_for_run(self, run_id: str) -> Awaitable[Any]:
+        """The output of run ``run_id`` once it completed; raises :class:`flowly.ChildFailed`
+        if it ended ``dead_letter`` or ``cancelled``. The run holds no worker while it waits
+        and wakes when the other run finishes. The outcome is recorded once."""
+        return self._track(f"wait for run {run_id!r}", self._wait_for_run(run_id))
+
+    async def _wait_for_run(self, run_id: str) -> Any:
+        record = self._wait_record("run", run_id)
+        position = self._claim_name(record)
+        stored = await self._write(lambda: self.history.get(record))
+        if isinstance(stored, StoredStep):
+            outcome = stored.output
+        else:
+            if self._halted is not None:
+                raise CompensateInterrupt(self._halted)
+            state, status, output, error = await self._waited(
+                lambda: self._store.wait_for_run(record, run_id, position))
+            if state == "waiting":
+                self.waiting.append(record)
+                raise WaitInterrupt(record)
+            outcome = {"status": status, "output": output, "error": error}
+            self.history.record(record, StoredStep("completed", outcome, 0, position=position,
+                                                   kind="run"))
+        if outcome["status"] != "completed":
+            raise ChildFailed(run_id, outcome["status"], outcome["error"])
+        return outcome["output"]
+
+    def run(self, workflow: str | WorkflowFn, input: Any = None, run_id: str | None = None,
+            **options: Any) -> Awaitable[Any]:
+        """Start another run and wait for its output: :meth:`start` then :meth:`wait_for_run`."""
+        async def start_and_wait() -> Any:
+            return await self._wait_for_run(
+                await self._start(workflow, input, run_id, options))
+
+        return self._track(f"run of {workflow!r}", start_and_wait())
+
+    def _wait_record(self, kind: str, key: str) -> str:
+        count = self._wait_counts.get(f"{kind}:{key}", 0) + 1
+        self._wait_counts[f"{kind}:{key}"] = count
+        return _record_name(kind, key if count == 1 else f"{key}#{count}")
+
+    async def _waited(self, call: Callable[[], Awaitable[T]]) -> T:
+        """A wait's engine call, counted as in flight so the run is parked only once every
+        wait of a parallel fan-in registered."""
+        self._in_flight += 1
+        try:
+            return await self._write(call, refused_raises=True)
+        finally:
+            self._in_flight -= 1
+            self._notify()
 
     async def _write(
         self, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False

@@ -128,6 +128,7 @@ class Calls:
             return sql.SQL(text).format(s=sql.Identifier(schema))
 
         self.wakeup_channel = q("select {s}.wakeup_channel()")
+        self.finished_channel = q("select {s}.finished_channel()")
         self.start = q(
             "select {s}.start(workflow => %(workflow)s, input => %(input)s::jsonb,"
             " run_id => %(run_id)s, queue => %(queue)s, priority => %(priority)s,"
@@ -163,6 +164,10 @@ class Calls:
             "select {s}.begin_compensation_transaction(%s, %s)")
         self.record_compensation_transaction = q(
             "select {s}.record_compensation_transaction(%s, %s, %s)")
+        self.wait_for_event = q("select * from {s}.wait_for_event(%s, %s, %s, %s, %s, %s)")
+        self.wait_for_run = q("select * from {s}.wait_for_run(%s, %s, %s, %s, %s)")
+        self.park = q("select {s}.park(%s, %s, %s)")
+        self.send_event = q("select {s}.send_event(%s, %s, %s::jsonb)")
         self.fail_run = q("select * from {s}.fail_run(%s, %s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")

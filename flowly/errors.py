@@ -67,6 +67,22 @@ class OutputTooLarge(FlowlyError, ValueError):
     """
 
 
+class EventTimeout(FlowlyError):
+    """``ctx.wait_for_event`` reached its timeout with no event. An ordinary exception: the
+    workflow may catch it; a replay raises it again at the same place."""
+
+
+class ChildFailed(FlowlyError):
+    """The run ``ctx.wait_for_run`` waited for ended ``dead_letter`` or ``cancelled``."""
+
+    def __init__(self, run_id: str, status: str, error: object) -> None:
+        message = error.get("message") if isinstance(error, dict) else error
+        super().__init__(f"run {run_id} ended {status}" + (f": {message}" if message else ""))
+        self.run_id = run_id
+        self.status = status
+        self.error = error
+
+
 class SchemaError(FlowlyError):
     """The flowly schema is missing, outdated, or its name is unusable."""
 

@@ -74,4 +74,10 @@ select not exists (select from schema_migrations where version = 8) as apply_mig
     insert into schema_migrations (version, name) values (8, '0008_transactional_steps');
 \endif
 
+select not exists (select from schema_migrations where version = 9) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0009_waits.sql
+    insert into schema_migrations (version, name) values (9, '0009_waits');
+\endif
+
 commit;

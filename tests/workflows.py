@@ -510,3 +510,55 @@ async def transaction_cases(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
         raise ValueError("the next step fails")
 
     return await ctx.step("fails", fail, retry=retry)
+
+
+@flowly.workflow("awaits_events")
+async def awaits_events(ctx: flowly.Context, inp: Any) -> list[Any]:
+    """Two waits for the same event name: each consumes one event, in the order sent."""
+    first = await ctx.wait_for_event("go")
+    second = await ctx.wait_for_event("go")
+    return [first, second]
+
+
+@flowly.workflow("event_or_timeout")
+async def event_or_timeout(ctx: flowly.Context, inp: dict[str, Any]) -> str:
+    """Waits for an event with a timeout; either way a slow recorded step follows."""
+    try:
+        await ctx.wait_for_event("approval", timeout=inp["timeout"])
+        branch = "approved"
+    except flowly.EventTimeout:
+        branch = "timed out"
+    await ctx.step("after", slow_effect, ctx.run_id, branch, inp.get("after_seconds", 0))
+    return branch
+
+
+@flowly.workflow("child_work")
+async def child_work(ctx: flowly.Context, inp: dict[str, Any]) -> int:
+    def work() -> int:
+        if inp.get("fail"):
+            raise ValueError(f"child {inp['i']} fails")
+        time.sleep(inp.get("seconds", 0))
+        return int(inp["i"]) ** 2
+
+    return int(await ctx.step("work", work, retry=flowly.Retry(max_attempts=1)))
+
+
+@flowly.workflow("fan_out")
+async def fan_out(ctx: flowly.Context, inp: dict[str, Any]) -> list[Any]:
+    """Starts ``n`` children (child ``fail`` fails) and gathers their outcomes."""
+    children = [await ctx.start("child_work", {"i": i, "fail": i == inp.get("fail"),
+                                               "seconds": inp.get("seconds", 0)})
+                for i in range(inp["n"])]
+
+    async def outcome(child: str) -> Any:
+        try:
+            return await ctx.wait_for_run(child)
+        except flowly.ChildFailed as exc:
+            return {"failed": exc.status}
+
+    return list(await asyncio.gather(*(outcome(c) for c in children)))
+
+
+@flowly.workflow("runs_a_child")
+async def runs_a_child(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    return await ctx.run("slow", {"seconds": inp["seconds"]})

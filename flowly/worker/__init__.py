@@ -35,6 +35,7 @@ from ..context import (
     Interrupt,
     LeaseLostInterrupt,
     RunAbandoned,
+    WaitInterrupt,
     call_user_function,
     cancel_requested,
     error_info,
@@ -146,6 +147,22 @@ class _RunStore:
         return await self._worker._transactions.step(
             self._held.run_id, self._held.epoch, name, fn, args, isolation, started_at,
             compensable, position, max_output_bytes)
+
+    async def wait_for_event(
+        self, step: str, event: str, timeout: float | None, position: int
+    ) -> tuple[str, Any]:
+        row = await self._worker._call_one(
+            self._worker._calls.wait_for_event,
+            (self._held.run_id, self._held.epoch, step, event, timeout, position))
+        return str(row[0]), row[1]
+
+    async def wait_for_run(
+        self, step: str, target: str, position: int
+    ) -> tuple[str, str | None, Any, Any]:
+        row = await self._worker._call_one(
+            self._worker._calls.wait_for_run,
+            (self._held.run_id, self._held.epoch, step, target, position))
+        return str(row[0]), row[1], row[2], row[3]
 
     async def read_page(self, after_seq: int) -> list[Any]:
         return await self._worker._call(
@@ -507,6 +524,8 @@ class Worker:
             await ctx.settled()  # parallel steps the body left behind land first
             if ctx.compensating:
                 return "compensate"
+            if ctx.waiting:  # gather(..., return_exceptions=True) swallowed a wait's interrupt
+                raise WaitInterrupt(ctx.waiting[0])
             unawaited = ctx.unawaited()
             if unawaited:
                 raise WorkflowCodeError(
@@ -519,6 +538,11 @@ class Worker:
             return interrupt.decision
         except (LeaseLostInterrupt, RunAbandoned):
             raise
+        except WaitInterrupt:
+            await ctx.settled()  # every wait of a fan-in registered, every step landed
+            await run_write(held.run_id, partial(
+                self._call, self._calls.park, (held.run_id, held.epoch, ctx.waiting)))
+            return "done"
         except Interrupt:
             return "done"
         except BaseException as exc:  # the body itself failed: the database decides what next

@@ -1,0 +1,148 @@
+"""Waiting durably: for events sent to a run, and for other runs (fan-out, fan-in)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from tests.support import running_worker, scalar, wait_for, worker_process
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+def _parked(db: psycopg.Connection[Any], run_id: str) -> bool:
+    """Waiting, and held by no worker."""
+    return bool(scalar(db, "select status = 'pending' and locked_by is null from flowly.runs"
+                           " where id = %s and exists (select from flowly.waits w"
+                           " where w.run_id = %s)", run_id, run_id))
+
+
+def test_events_sent_before_and_after_the_waits_are_consumed_in_order(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("awaits_events", None)
+    client.send_event(run_id, "go", {"n": 1})  # before the run even started
+    with running_worker(dsn, poll_interval=30):  # only NOTIFY can wake it in time
+        wait_for(lambda: _parked(db, run_id), what="the run parked on its second wait")
+        sent = time.monotonic()
+        client.send_event(run_id, "go", {"n": 2})
+        run = client.wait(run_id, timeout=10)
+        woke_after = time.monotonic() - sent
+    assert run.status == "completed" and run.output == [{"n": 1}, {"n": 2}]
+    assert woke_after < 2, f"woke {woke_after:.2f}s after the event: not by NOTIFY"
+    kinds = [(s.name, s.kind) for s in client.steps(run_id)]
+    assert kinds == [("event:go", "event"), ("event:go#2", "event")]
+
+
+def test_send_event_refuses_unknown_and_finished_runs(
+    client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    with pytest.raises(flowly.RunNotFound):
+        client.send_event("no-such-run", "go")
+    run_id = client.start("quick", None)
+    db.execute("select flowly.cancel(%s)", (run_id,))
+    with pytest.raises(flowly.InvalidState, match="takes no more events"):
+        client.send_event(run_id, "go")
+    with pytest.raises(psycopg.Error) as info:
+        db.execute("select flowly.send_event('nope', 'go')")
+    assert info.value.sqlstate == "WF002"
+
+
+def test_a_timeout_is_recorded_and_replayed_the_same_after_a_kill(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The wait times out; the worker is SIGKILLed in the next step; the event arrives late;
+    the next worker replays the timeout branch, it does not take the event."""
+    run_id = client.start("event_or_timeout", {"timeout": 0.5, "after_seconds": 30})
+    with worker_process(dsn, "--lease", "1") as first:
+        wait_for(lambda: scalar(db, "select count(*) from public.test_effects"
+                                    " where run_id = %s", run_id), what="the step after")
+        first.signal(signal.SIGKILL)
+    client.send_event(run_id, "approval", "late")
+    db.execute("update flowly.runs set input = jsonb_set(input, '{after_seconds}', '0')"
+               " where id = %s", (run_id,))
+    with worker_process(dsn, "--lease", "1"):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.output == "timed out"
+    branches = [r[0] for r in db.execute("select step from public.test_effects"
+                                         " where run_id = %s order by at", (run_id,))]
+    assert branches == ["timed out", "timed out"]
+
+
+def test_an_event_within_the_timeout_takes_the_other_branch(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("event_or_timeout", {"timeout": 30})
+    with running_worker(dsn):
+        wait_for(lambda: _parked(db, run_id), what="parked")
+        client.send_event(run_id, "approval", True)
+        assert client.wait(run_id, timeout=10).output == "approved"
+
+
+def test_fan_out_and_in_with_one_failing_child(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """20 children started and awaited with asyncio.gather; child 7 fails and is caught as
+    ChildFailed; the parent holds no lease while it waits; a worker is SIGKILLed meanwhile."""
+    run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 0.3})
+    with worker_process(dsn, "--lease", "1", "--concurrency", "8") as first:
+        wait_for(lambda: scalar(db, "select count(*) = 20 from flowly.runs"
+                                    " where parent_run_id = %s", run_id), what="20 children")
+        wait_for(lambda: _parked(db, run_id), what="the parent parked")
+        first.signal(signal.SIGKILL)
+    with worker_process(dsn, "--lease", "1", "--concurrency", "8"):
+        run = client.wait(run_id, timeout=60)
+    assert run.status == "completed", run.error
+    expected: list[Any] = [i * i for i in range(20)]
+    expected[7] = {"failed": "dead_letter"}
+    assert run.output == expected
+    assert scalar(db, "select count(*) from flowly.runs where parent_run_id = %s",
+                  run_id) == 20  # the replays started nothing new
+
+
+def test_cancelling_a_parent_cancels_its_unfinished_children(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    run_id = client.start("runs_a_child", {"seconds": 30})
+    with running_worker(dsn):
+        wait_for(lambda: _parked(db, run_id), what="the parent waiting for its child")
+        child = scalar(db, "select id from flowly.runs where parent_run_id = %s", run_id)
+        wait_for(lambda: client.get(child).status == "running", what="child running")
+        assert client.cancel(run_id) == "cancelled"
+        assert client.wait(child, timeout=10).status == "cancelled"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_client_wait_returns_when_the_run_finishes_not_at_the_next_poll(
+    dsn: str, client: flowly.Client, asynchronous: bool
+) -> None:
+    """Three runs that take 1.5 s each (so polling would be at its 0.5 s pace): each wait
+    returns within 100 ms of the run's finished_at."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    delays = []
+    with running_worker(dsn):
+        for _ in range(3):
+            run_id = client.start("slow", {"seconds": 1.5})
+            if asynchronous:
+                async def wait() -> flowly.Run:
+                    async with flowly.AsyncClient(dsn) as aclient:
+                        return await aclient.wait(run_id, timeout=30)
+                run = asyncio.run(wait())
+            else:
+                run = client.wait(run_id, timeout=30)
+            returned = datetime.now(UTC)
+            assert run.status == "completed" and run.finished_at is not None
+            delays.append((returned - run.finished_at).total_seconds())
+    assert max(delays) < 0.1, delays
