@@ -440,6 +440,39 @@ def test_update_trigger_starts_runs_for_new_keys_only(db: psycopg.Connection[Any
         ("ship:2", "ship", "default", 0, "pending", {"id": 2, "status": "paid again"})]
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_partitioned_table(db: psycopg.Connection[Any], level: str) -> None:
+    """On a partitioned table the trigger starts one run per row whatever the partition."""
+    db.execute("create table orders (id int primary key, region text) partition by list (id)")
+    db.execute("create table orders_low partition of orders for values in (1, 2)")
+    db.execute("create table orders_high partition of orders default")
+    create_trigger(db, "orders", level, "process-order", "id")
+    db.execute("insert into orders values (1, 'eu'), (2, 'us'), (3, 'eu')")
+    assert run_ids(db) == ["process-order:1", "process-order:2", "process-order:3"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_key_started_after_a_repeatable_read_snapshot_is_a_serialization_failure(
+        dsn: str, db: psycopg.Connection[Any], level: str) -> None:
+    """Under REPEATABLE READ the trigger cannot see a run for the same key committed after the
+    snapshot, so it cannot return it: the INSERT fails with 40001 (retry the transaction),
+    never a duplicate or a unique violation; the retry starts nothing new."""
+    db.execute("create table orders (id int primary key)")
+    create_trigger(db, "orders", level, "process-order", "id")
+    with psycopg.connect(dsn) as app:
+        app.execute("set transaction isolation level repeatable read")
+        app.execute("select 1 from orders")  # takes the snapshot
+        db.execute("select flowly.start('process-order', run_id => 'process-order:1')")
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            app.execute("insert into orders values (1)")
+        app.rollback()
+        app.execute("set transaction isolation level repeatable read")
+        app.execute("insert into orders values (1)")
+        app.commit()
+    assert run_ids(db) == ["process-order:1"]
+    assert scalar(db, "select input from flowly.runs") is None
+
+
 def test_trigger_runs_complete_under_a_worker(dsn: str, client: flowly.Client,
                                               db: psycopg.Connection[Any]) -> None:
     db.execute("create table orders (id int primary key, sku text)")

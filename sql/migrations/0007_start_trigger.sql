@@ -178,6 +178,7 @@ declare
     v_priority integer := 0;
     v_input jsonb;
     v_key text;
+    v_started text;
     v_table name;
     v_count bigint;
     v_row record;
@@ -233,8 +234,9 @@ begin
             perform raise_row_json_error(v_source, v_key, v_state, v_message, v_detail);
         end;
         -- what start would do, minus the checks made above
-        v_key := insert_run(key_run_id(v_workflow, v_columns, v_input, v_source), v_workflow,
-                            v_queue, v_input, v_priority, now(), null, 3, null, null);
+        v_started := insert_run(key_run_id(v_workflow, v_columns, v_input, v_source),
+                                v_workflow, v_queue, v_input, v_priority, now(), null, 3, null,
+                                null);
         return null;
     end if;
 
