@@ -34,7 +34,7 @@ from . import __version__
 from .client import Client, Run
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
-from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL
+from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, translated_errors
 from .errors import (
     InvalidArgument,
     InvalidState,
@@ -87,7 +87,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
     ``install --print-sql`` writes the install script for psql instead, touching no database.
     """
-    from .schema import install, install_script, installed_versions, migrations
+    from .schema import install, install_script, installed_versions, migrations, setup_roles
 
     if getattr(args, "print_sql", False):
         sys.stdout.write(install_script(None if args.schema == DEFAULT_SCHEMA else args.schema))
@@ -98,12 +98,21 @@ def cmd_install(args: argparse.Namespace) -> int:
     if target is not None and target not in names:
         known = ", ".join(str(v) for v in names)
         raise CliError(f"--target {target}: no such migration (known: {known})", EXIT_USAGE)
+    roles = getattr(args, "roles", False)
     with psycopg.connect(args.dsn, autocommit=True) as conn:
         applied = install(conn, args.schema, target=target)
         versions = installed_versions(conn, args.schema)
+        if roles:
+            with translated_errors():
+                setup_roles(conn, args.schema, worker=args.worker_role, reader=args.reader_role)
     if args.json:
-        _print_json({"schema": args.schema, "applied": applied, "versions": versions})
+        _print_json({"schema": args.schema, "applied": applied, "versions": versions,
+                     "roles": {"worker": args.worker_role, "reader": args.reader_role}
+                     if roles else None})
         return EXIT_OK
+    if roles:
+        print(f"roles {args.worker_role} (workers and clients: flowly's functions, reads) and"
+              f" {args.reader_role} (reads) are set up; grant them to login roles")
     schema = quote_ident(args.schema)
     if applied:
         for version in applied:
@@ -565,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     install = add("install", cmd_install, "create or upgrade the flowly schema (idempotent)")
+    install.add_argument("--roles", action="store_true",
+                         help="also create a worker role (flowly's functions only) and a"
+                              " read-only role for dashboards, and give them their rights")
+    install.add_argument("--worker-role", default="flowly_worker", metavar="NAME",
+                         help="the worker role's name (flowly_worker)")
+    install.add_argument("--reader-role", default="flowly_reader", metavar="NAME",
+                         help="the reader role's name (flowly_reader)")
     install.add_argument("--print-sql", action="store_true",
                          help="write the install script to stdout for psql, touch no database"
                               " (flowly install --print-sql | psql)")

@@ -121,9 +121,21 @@ def install(
             )
             applied.append(migration.version)
             logger.info("applied migration %s to schema %r", migration.name, schema)
+        # roles set up with setup_roles get their rights on whatever the migrations added
+        conn.execute("select apply_roles() from (select to_regproc('apply_roles') as f) p"
+                     " where p.f is not null")
         conn.execute("select set_config('search_path', %s, true),"
                      " set_config('client_min_messages', %s, true)", saved)
     return applied
+
+
+def setup_roles(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *,
+                worker: str = "flowly_worker", reader: str = "flowly_reader") -> None:
+    """Create (when missing) the ``worker`` and ``reader`` roles and give them their rights
+    on ``schema`` (see ``setup_roles`` in sql/migrations/0010_roles.sql)."""
+    with conn.transaction():
+        conn.execute(sql.SQL("select {}.setup_roles(%s, %s)").format(sql.Identifier(schema)),
+                     (worker, reader))
 
 
 def install_dsn(dsn: str, schema: str = DEFAULT_SCHEMA, *, target: int | None = None) -> list[int]:

@@ -80,4 +80,16 @@ select not exists (select from schema_migrations where version = 9) as apply_mig
     insert into schema_migrations (version, name) values (9, '0009_waits');
 \endif
 
+select not exists (select from schema_migrations where version = 10) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0010_roles.sql
+    insert into schema_migrations (version, name) values (10, '0010_roles');
+\endif
+
+-- roles set up with setup_roles get their rights on whatever the migrations added
+select to_regproc('apply_roles') is not null as has_roles \gset
+\if :has_roles
+    select apply_roles() is null as roles_applied \gset
+\endif
+
 commit;

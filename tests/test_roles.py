@@ -1,0 +1,103 @@
+"""Least privilege: a worker role that acts only through flowly's functions, and a read-only
+role for dashboards (``flowly install --roles``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+import flowly
+from flowly.schema import install_dsn, setup_roles
+from tests.support import running_worker
+from tests.test_cli import flowly as flowly_cli
+from tests.test_cli import ok
+
+WORKER, READER = f"fw_worker_{os.getpid()}", f"fw_reader_{os.getpid()}"
+
+
+@pytest.fixture
+def roles(dsn: str, db: psycopg.Connection[Any]) -> Iterator[tuple[str, str]]:
+    """Login roles that are members of the worker and reader roles; DSNs for each."""
+    try:
+        setup_roles(db, worker=WORKER, reader=READER)
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("the test database's user may not create roles")
+    logins = {WORKER: f"{WORKER}_login", READER: f"{READER}_login"}
+    for role, login in logins.items():
+        db.execute(sql.SQL("create role {} login in role {}").format(
+            sql.Identifier(login), sql.Identifier(role)))
+    db.execute("grant insert, select on public.test_effects to {}".format(logins[WORKER]))
+    try:
+        yield (make_conninfo(dsn, user=logins[WORKER]), make_conninfo(dsn, user=logins[READER]))
+    finally:
+        for role in (*logins.values(), WORKER, READER):
+            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_the_worker_role_runs_workflows_through_functions_only(
+    roles: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker_dsn, _ = roles
+    monkeypatch.setenv("FLOWLY_DSN", worker_dsn)
+    assert install_dsn(worker_dsn) == []  # up to date: a worker role may start a worker
+    with flowly.Client(worker_dsn) as client, running_worker(worker_dsn):
+        runs = [client.start("three_steps", {}), client.start("saga", None),
+                client.start("sleepy", {"seconds": 0.2})]
+        assert [client.wait(r, timeout=30).status for r in runs] == ["completed"] * 3
+        assert client.cancel(client.start("quick", None)) == "cancelled"
+        assert client.list_runs(limit=10)
+    with psycopg.connect(worker_dsn, autocommit=True) as conn:
+        for statement in ("delete from flowly.runs", "update flowly.runs set status = 'x'",
+                          "insert into flowly.steps (run_id, name, seq, status, started_at)"
+                          " values ('r', 's', 1, 'completed', now())",
+                          "select flowly.setup_roles('x', 'y')"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+        # a hostile search_path of the caller changes nothing: every function pins its own
+        conn.execute("set search_path = pg_temp, public")
+        conn.execute("create temporary table runs (id text)")
+        run_id = conn.execute("select flowly.start('quick')").fetchone()[0]
+        assert conn.execute("select count(*) from flowly.runs where id = %s",
+                            (run_id,)).fetchone() == (1,)
+        assert conn.execute("select count(*) from pg_temp.runs").fetchone() == (0,)
+
+
+def test_the_reader_role_reads_and_cannot_write(roles: tuple[str, str]) -> None:
+    _, reader_dsn = roles
+    with psycopg.connect(reader_dsn, autocommit=True) as conn:
+        for view in ("run_counts", "dead_letters", "queue_backlog", "live_workers",
+                     "stuck_runs", "throughput", "step_latency", "runs", "steps"):
+            conn.execute(f"select * from flowly.{view}").fetchall()
+        for statement in ("select flowly.start('quick')", "select flowly.cancel('x')",
+                          "delete from flowly.runs", "select flowly.purge('1 day')"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+
+
+def test_install_roles_from_the_command_line(dsn: str, db: psycopg.Connection[Any]) -> None:
+    try:
+        out = ok(flowly_cli("install", "--roles", "--worker-role", WORKER, "--reader-role",
+                            READER, dsn=dsn))
+    except AssertionError:
+        if "permission denied to create role" in flowly_cli(
+                "install", "--roles", "--worker-role", WORKER, dsn=dsn).stderr:
+            pytest.skip("the test database's user may not create roles")
+        raise
+    try:
+        assert f"roles {WORKER}" in out
+        assert db.execute("select worker_role, reader_role from flowly.settings").fetchone() == (
+            WORKER, READER)
+        assert db.execute("select has_function_privilege(%s, 'flowly.start(text, jsonb, text,"
+                          " text, integer, timestamptz, text, integer, interval, text, bigint,"
+                          " text, integer)', 'execute')", (READER,)).fetchone() == (False,)
+    finally:
+        for role in (WORKER, READER):
+            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
