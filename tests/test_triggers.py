@@ -415,12 +415,15 @@ def test_a_statement_trigger_without_its_transition_table_says_what_to_add(
     assert "referencing new table as" in str(failed.value), str(failed.value)
 
 
+@pytest.mark.parametrize("name", ['"Fresh"', "runs", "pg_trigger", "t", "n"])
 @pytest.mark.parametrize("level", LEVELS)
-def test_any_transition_table_name_works(db: psycopg.Connection[Any], level: str) -> None:
-    """The statement trigger finds its transition table by the name create trigger gave it."""
+def test_any_transition_table_name_works(db: psycopg.Connection[Any], level: str,
+                                         name: str) -> None:
+    """The trigger finds its transition table by the name create trigger gave it, even one
+    that shadows a table it reads or writes (a row trigger may have one too)."""
     db.execute("create table orders (id int primary key)")
-    db.execute('create trigger enqueue after insert on orders referencing new table as "Fresh"'
-               " for each statement execute function flowly.start_trigger('process-order', 'id')")
+    db.execute(f"create trigger enqueue after insert on orders referencing new table as {name}"
+               f" for each {level} execute function flowly.start_trigger('process-order', 'id')")
     db.execute("insert into orders values (1), (2)")
     assert run_ids(db) == ["process-order:1", "process-order:2"]
 

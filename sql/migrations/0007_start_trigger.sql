@@ -240,7 +240,8 @@ begin
         return null;
     end if;
 
-    select t.tgnewtable into v_table from pg_trigger t
+    -- qualified here and below: the transition table's name may shadow any unqualified one
+    select t.tgnewtable into v_table from pg_catalog.pg_trigger t
     where t.tgrelid = tg_relid and t.tgname = tg_name;
     if v_table is null then
         raise exception '% for each statement needs the new rows: add'
@@ -249,10 +250,10 @@ begin
     end if;
     begin
         execute format(
-            'insert into runs (id, workflow, queue, input, priority)
+            'insert into %I.runs (id, workflow, queue, input, priority)
              select key_run_id($1, $2, n.input, $3), $1, $4, n.input, $5
              from (select to_jsonb(t) as input from %I t) n
-             on conflict (id) do nothing', v_table)
+             on conflict (id) do nothing', current_schema(), v_table)
             using v_workflow, v_columns, v_source, v_queue, v_priority;
         get diagnostics v_count = row_count;
     exception
