@@ -1,7 +1,8 @@
 """What flowly.start_trigger costs a bulk INSERT: 10,000 rows in one statement into a table with
 no trigger, with the ready-made row trigger, with the statement trigger (a transition table),
 and with the hand-written row trigger the README used to show (``perform flowly.start(...)``
-per row), side by side as rows/s and as a ratio to the table with no trigger.
+per row), side by side as rows/s and as a ratio to the table with no trigger; and, for
+reference, the floor: the same 10,000 runs inserted straight into flowly's runs table.
 
 flowly goes into a schema of its own and the tables into another (both dropped afterwards);
 the variants are measured in turns, each figure the median of ``--rounds`` INSERTs (each
@@ -30,6 +31,7 @@ import flowly
 from flowly.config import resolve_dsn
 
 SCHEMA, APP = "flowly_bench_trigger", "flowly_bench_trigger_app"
+FLOOR = "(the runs alone, one insert into runs)"
 
 # variant -> the trigger on its table ({s}: flowly's schema, {t}: the table)
 VARIANTS = {
@@ -91,6 +93,22 @@ def insert_seconds(conn: psycopg.Connection[Any], table: sql.Composed, rows: int
     return elapsed
 
 
+def direct_seconds(conn: psycopg.Connection[Any], rows: int) -> float:
+    """The floor: the same runs (ids, inputs) inserted straight into flowly's runs table by
+    one statement, no application table and no trigger; its wall time, committed."""
+    runs = sql.SQL("{}.runs").format(sql.Identifier(SCHEMA))
+    conn.execute(sql.SQL("truncate {} cascade").format(runs))
+    started = time.perf_counter()
+    with conn.transaction():
+        conn.execute(sql.SQL("""
+            insert into {r} (id, workflow, input)
+            select 'process-order:' || g, 'process-order',
+                   jsonb_build_object('id', g, 'customer', g %% 977, 'sku', 'sku-' || (g %% 101),
+                                      'qty', 1 + g %% 5, 'created_at', now())
+            from generate_series(1, %s) g""").format(r=runs), (rows,))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
@@ -102,21 +120,22 @@ def main() -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         try:
             tables = setup(conn)
-            timings: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+            timings: dict[str, list[float]] = {variant: [] for variant in [*VARIANTS, FLOOR]}
             for _ in range(args.rounds + 1):  # the first round warms up, not counted
                 for variant, table in tables.items():
                     expected = args.rows if VARIANTS[variant] else 0
                     timings[variant].append(insert_seconds(conn, table, args.rows, expected))
+                timings[FLOOR].append(direct_seconds(conn, args.rows))
         finally:
             for schema in (SCHEMA, APP):
                 conn.execute(sql.SQL("drop schema if exists {} cascade").format(
                     sql.Identifier(schema)))
     base = statistics.median(timings["no trigger"][1:])
     print(f"{args.rows:,} rows in one INSERT (committed), median of {args.rounds}, in turns:")
-    print(f"  {'variant':36} {'ms':>9} {'rows/s':>11} {'x no trigger':>13}")
+    print(f"  {'variant':38} {'ms':>9} {'rows/s':>11} {'x no trigger':>13}")
     for variant, seconds in timings.items():
         median = statistics.median(seconds[1:])
-        print(f"  {variant:36} {median * 1000:9.1f} {args.rows / median:11,.0f}"
+        print(f"  {variant:38} {median * 1000:9.1f} {args.rows / median:11,.0f}"
               f" {median / base:13.2f}")
 
 
