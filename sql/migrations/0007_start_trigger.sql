@@ -17,10 +17,10 @@
 -- first two; the JSON error keeps its own SQLSTATE), naming the table, the column or the key.
 --
 -- The statement-level form inserts all the statement's runs with one insert ... select and
--- sends one NOTIFY per statement; the row form calls insert_run (start's insert) per row, whose
--- identical NOTIFYs PostgreSQL folds into one per transaction. A bulk INSERT wants the
--- statement form: bench/trigger_insert.py measures both. Key values are rendered by to_jsonb under
--- pinned settings (UTC, shortest float digits, postgres interval style), so a session's
+-- sends one NOTIFY per statement; the row form calls insert_run (start's insert) per row,
+-- whose identical NOTIFYs PostgreSQL folds into one per transaction. A bulk INSERT wants the
+-- statement form (bench/trigger_insert.py measures both). Key values are rendered by to_jsonb
+-- under pinned settings (UTC, shortest float digits, postgres interval style), so a session's
 -- TimeZone or IntervalStyle never changes a run id.
 --
 -- SQLSTATEs: WF003 invalid argument (bad trigger arguments, a null or missing key column, a
@@ -260,18 +260,20 @@ begin
         when sqlstate 'WF003' then  -- a null or missing key column: already says which
             raise;
         when others then
-        -- a row that cannot become JSON gets its own message; any other error stands as it is
-        for v_row in execute format('select t as r, %s as key from %I t',
-                                    row_key_expression(v_columns), v_table) loop
-            begin
-                v_input := to_jsonb(v_row.r);
-            exception when others then
-                get stacked diagnostics v_state = returned_sqlstate, v_message = message_text,
-                                        v_detail = pg_exception_detail;
-                perform raise_row_json_error(v_source, v_row.key, v_state, v_message, v_detail);
-            end;
-        end loop;
-        raise;
+            -- a row that cannot become JSON gets its own message; other errors stand as they are
+            for v_row in execute format('select t as r, %s as key from %I t',
+                                        row_key_expression(v_columns), v_table) loop
+                begin
+                    v_input := to_jsonb(v_row.r);
+                exception when others then
+                    get stacked diagnostics v_state = returned_sqlstate,
+                                            v_message = message_text,
+                                            v_detail = pg_exception_detail;
+                    perform raise_row_json_error(v_source, v_row.key, v_state, v_message,
+                                                 v_detail);
+                end;
+            end loop;
+            raise;
     end;
     if v_count > 0 then
         perform pg_notify(wakeup_channel(), v_queue);
