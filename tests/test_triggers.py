@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -15,9 +16,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import flowly
-from flowly.schema import install
+from flowly.schema import install, setup_roles
 from tests import workflows  # noqa: F401 (registers the workflows workers run)
 from tests.support import ROOT, running_worker, scalar
 
@@ -486,6 +488,41 @@ def test_trigger_runs_complete_under_a_worker(dsn: str, client: flowly.Client,
     assert [(r.status, r.output) for r in done] == [
         ("completed", {"input": {"id": 1, "sku": "book"}, "total": 3}),
         ("completed", {"input": {"id": 2, "sku": "pen"}, "total": 3})]
+
+
+# --- least privilege ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_start_trigger_under_least_privilege_roles(dsn: str, db: psycopg.Connection[Any],
+                                                   level: str) -> None:
+    """With ``setup_roles`` (flowly's functions run with their owner's rights, PUBLIC may not
+    call them): an application role with INSERT on the table and no right on flowly at all
+    starts runs through a trigger the table's owner created; the role cannot create such a
+    trigger itself, nor write flowly's tables."""
+    tag = f"{os.getpid()}_{level}"
+    worker, reader, app = f"ft_worker_{tag}", f"ft_reader_{tag}", f"ft_app_{tag}"
+    try:
+        setup_roles(db, worker=worker, reader=reader)
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("the test database's user may not create roles")
+    try:
+        db.execute(sql.SQL("create role {} login").format(sql.Identifier(app)))
+        db.execute("create table orders (id int primary key, sku text)")
+        create_trigger(db, "orders", level, "process-order", "id")
+        db.execute(sql.SQL("grant insert on orders to {app}; grant create on schema public"
+                           " to {app}").format(app=sql.Identifier(app)))
+        with psycopg.connect(make_conninfo(dsn, user=app), autocommit=True) as conn:
+            conn.execute("insert into orders values (1, 'book'), (2, 'pen')")
+            conn.execute("create table mine (id int)")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                create_trigger(conn, "mine", level, "process-order", "id")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("insert into flowly.runs (id, workflow) values ('x', 'y')")
+        assert run_ids(db) == ["process-order:1", "process-order:2"]
+    finally:
+        for role in (app, worker, reader):
+            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            db.execute(sql.SQL("drop role if exists {}").format(sql.Identifier(role)))
 
 
 # --- other schemas and search_paths --------------------------------------------------------
