@@ -122,8 +122,9 @@ def install(
             applied.append(migration.version)
             logger.info("applied migration %s to schema %r", migration.name, schema)
         # roles set up with setup_roles get their rights on whatever the migrations added
-        conn.execute("select apply_roles() from (select to_regproc('apply_roles') as f) p"
-                     " where p.f is not null")
+        has_roles = conn.execute("select to_regproc('apply_roles') is not null").fetchone()
+        if has_roles and has_roles[0]:
+            conn.execute("select apply_roles()")
         conn.execute("select set_config('search_path', %s, true),"
                      " set_config('client_min_messages', %s, true)", saved)
     return applied
