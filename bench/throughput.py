@@ -1,81 +1,141 @@
-"""Throughput of three-step workflows on one worker process.
+"""flowly's throughput: N runs enqueued with one SQL statement, then drained by one or more
+worker processes (timed from the worker's start to the last run completed, polled from here).
 
-Enqueues N runs of ``bench.three_steps`` with one SQL statement, starts a worker in this
-process and measures how long it takes until every run is completed, for each concurrency
-given. Prints runs/s and steps/s per setting so settings compare side by side in one run.
+Also what a worker holds while it drains: its connections to the database (sampled from
+pg_stat_activity) and its resident memory (sampled with psutil), for the memory check over
+many runs.
 
-    python bench/throughput.py --runs 5000 --concurrency 64 256
+    python bench/throughput.py --runs 10000 --concurrency 16 64 256 --workflow bench.three_async
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
+from bench.common import Child, fresh_database
 from flowly.config import resolve_dsn
 
-
-async def _step(value: int) -> int:
-    return value + 1
-
-
-@flowly.workflow("bench.three_steps")
-async def three_steps(ctx: flowly.Context, inp: Any) -> int:
-    total = 0
-    for name in ("one", "two", "three"):
-        total = await ctx.step(name, _step, total)
-    return int(total)
+UNFINISHED = ("select not exists (select from flowly.runs"
+              " where status in ('pending', 'running', 'compensating'))")
+STEPS = {"bench.three_async": 3, "bench.three_sync": 3, "bench.one_async": 1}
 
 
-async def measure(dsn: str, runs: int, concurrency: int) -> float:
-    # an async connection, so watching for the end never blocks the worker's event loop
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute("delete from flowly.runs where workflow = 'bench.three_steps'")
-        await conn.execute(
-            "select flowly.start('bench.three_steps') from generate_series(1, %s)", (runs,))
-        worker = flowly.Worker(dsn, ["bench.three_steps"], concurrency=concurrency,
-                               poll_interval=0.05)
-        started = time.perf_counter()
-        task = asyncio.create_task(worker.run())
-        while True:
-            await asyncio.sleep(0.05)
-            cursor = await conn.execute(
-                "select exists (select from flowly.runs where workflow = 'bench.three_steps'"
-                " and status <> 'completed')")
-            row = await cursor.fetchone()
-            if row is not None and not row[0]:
-                break
-        elapsed = time.perf_counter() - started
-        worker.stop()
-        await task
-        return elapsed
+@dataclass
+class Drain:
+    runs: int
+    seconds: float
+    done: bool
+    max_connections: int = 0
+    rss: list[tuple[int, int]] = field(default_factory=list)  # (completed runs, bytes)
+
+    @property
+    def rate(self) -> float:
+        return self.runs / self.seconds
+
+
+def prepare(dsn: str) -> None:
+    flowly.install_dsn(dsn)
+
+
+def enqueue(dsn: str, workflow: str, runs: int, inp: Any = None) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("truncate flowly.runs cascade")
+        conn.execute("select flowly.start(%s, input => %s::jsonb) from generate_series(1, %s)",
+                     (workflow, psycopg.types.json.Jsonb(inp), runs))
+        conn.execute("analyze flowly.runs")
+
+
+def drain(dsn: str, workflow: str, runs: int, concurrency: int, processes: int = 1,
+          timeout: float = 600, sample_rss: bool = False, inp: Any = None) -> Drain:
+    """Enqueue ``runs`` runs of ``workflow``, then time ``processes`` worker processes
+    draining them. Runs not finished after ``timeout`` seconds: the rate counts those done."""
+    enqueue(dsn, workflow, runs, inp)
+    children = [Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow", workflow,
+                       "--concurrency", str(concurrency)]) for _ in range(processes)]
+    try:
+        for child in children:
+            child.wait_ready()
+        watched = psutil.Process(children[0].pid)
+        result = Drain(runs, 0.0, False)
+        last_rss = 0.0
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            started = time.perf_counter()
+            for child in children:
+                child.send("go")
+            deadline = time.monotonic() + timeout
+            while True:
+                row = conn.execute(UNFINISHED).fetchone()
+                now = time.perf_counter()
+                if row is not None and row[0]:
+                    result.done = True
+                    break
+                if time.monotonic() > deadline:
+                    break
+                active = conn.execute("select count(*) from pg_stat_activity"
+                                      " where datname = current_database()").fetchone()
+                result.max_connections = max(result.max_connections,
+                                             (active[0] if active else 0) - 1)
+                if sample_rss and now - last_rss >= 0.5:
+                    last_rss = now
+                    completed = conn.execute("select count(*) from flowly.runs"
+                                             " where status = 'completed'").fetchone()
+                    result.rss.append((completed[0] if completed else 0,
+                                       watched.memory_info().rss))
+                time.sleep(0.02)
+            result.seconds = now - started
+            if not result.done:
+                row = conn.execute("select count(*) from flowly.runs"
+                                   " where status = 'completed'").fetchone()
+                result.runs = row[0] if row else 0
+            else:
+                row = conn.execute("select count(*) from flowly.runs"
+                                   " where status <> 'completed'").fetchone()
+                if row and row[0]:
+                    raise RuntimeError(f"{row[0]} runs of {workflow} did not complete")
+            if sample_rss:
+                result.rss.append((result.runs, watched.memory_info().rss))
+        for child in children:
+            child.finish()
+        return result
+    finally:
+        for child in children:
+            child.kill()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
-    parser.add_argument("--runs", type=int, default=3000)
+    parser.add_argument("--runs", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--workflow", nargs="+",
+                        default=["bench.three_async", "bench.three_sync", "bench.one_async"])
+    parser.add_argument("--processes", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    dsn = resolve_dsn(args.dsn)
-    flowly.install_dsn(dsn)
-    print(f"{'concurrency':>11} {'runs':>6} {'seconds':>8} {'runs/s':>8} {'steps/s':>8}")
-    for concurrency in args.concurrency:
-        elapsed = asyncio.run(measure(dsn, args.runs, concurrency))
-        print(f"{concurrency:>11} {args.runs:>6} {elapsed:>8.2f} {args.runs / elapsed:>8.0f}"
-              f" {3 * args.runs / elapsed:>8.0f}")
+    dsn = fresh_database(resolve_dsn(args.dsn), "flowly_bench")
+    prepare(dsn)
+    print(f"{'workflow':>18} {'procs':>5} {'concurrency':>11} {'runs':>6} {'seconds':>8}"
+          f" {'runs/s':>8} {'steps/s':>8} {'conns':>5}")
+    for workflow in args.workflow:
+        for concurrency in args.concurrency:
+            d = drain(dsn, workflow, args.runs, concurrency, args.processes)
+            print(f"{workflow:>18} {args.processes:>5} {concurrency:>11} {d.runs:>6}"
+                  f" {d.seconds:>8.2f} {d.rate:>8.0f} {STEPS[workflow] * d.rate:>8.0f}"
+                  f" {d.max_connections:>5}")
 
 
 if __name__ == "__main__":
