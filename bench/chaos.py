@@ -8,7 +8,9 @@ never the shared server), installs flowly, and starts ``--workers`` worker proce
 (``python -m flowly.worker --app bench.chaos_workflows --lease 2``). For ``--duration``
 seconds it starts a mix of runs (``bench/chaos_workflows.py``: steps, durable sleeps, a step
 that fails by design and is retried, sagas whose last step always fails, parents that start
-children with ``ctx.start``, runs designed to time out) while it
+children with ``ctx.start``, runs designed to time out; and, in an engine that has them,
+transactional steps, waits for events it sends, and ``ctx.run`` of children, some failing)
+while it
 
 - SIGKILLs workers (and starts replacements),
 - SIGSTOPs workers for longer than their lease, then SIGCONTs them,
@@ -30,7 +32,10 @@ execution recorded itself with its lease epoch and the server's clock):
   by a fenced worker that was frozen past its lease, are counted but allowed);
 - fencing never breached: no checkpoint landed after a newer claim of its run had begun
   executing, and no run completed under a stale epoch;
-- parents started exactly their children, once each.
+- parents started exactly their children, once each, and a parent waiting for a child got
+  its output (or its failure);
+- a transactional step's SQL committed exactly once, with its checkpoint;
+- an event wait returned the payload sent, or timed out when none was sent.
 
 It prints the figures and exits 1 if an invariant failed, naming the runs (with their
 executions, checkpoints, the chaos around them and their lines in the worker logs). Workers,
@@ -66,11 +71,14 @@ from psycopg.types.json import Jsonb
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import flowly  # noqa: E402
 from bench.chaos_workflows import EXEC_TABLE  # noqa: E402
 from flowly import embedded  # noqa: E402
 from flowly.schema import install_dsn  # noqa: E402
 
 APP = "bench.chaos_workflows"
+# transactional steps, events and waits for other runs, in engines that have them
+NEWER_APIS = all(hasattr(flowly.Context, a) for a in ("transaction", "wait_for_event", "run"))
 WORKER_APP_NAME = "chaos-worker"  # the connections pg_terminate_backend aims at
 TERMINAL = ("completed", "dead_letter", "cancelled")
 
@@ -154,6 +162,7 @@ class Figures:
     spawned: int = 0
     exits_ours: int = 0
     exits_other: list[str] = field(default_factory=list)
+    events: int = 0  # sent to runs
 
 
 class Chaos:
@@ -173,6 +182,7 @@ class Chaos:
         self.events: list[tuple[float, str]] = []
         self.pending_starts: list[tuple[str, str, str, str | None, dict[str, Any], float | None,
                                         str]] = []
+        self.pending_events: list[tuple[float, str, Any]] = []
         self.seq = 0
 
     # -- server ---------------------------------------------------------------------------
@@ -300,7 +310,8 @@ class Chaos:
         if not running:
             return
         worker = self.rng.choice(running)
-        pause = self.rng.uniform(1.2, 3.0) * self.args.lease
+        # mostly past the lease (a takeover), sometimes within it (the worker carries on)
+        pause = self.rng.uniform(0.5, 3.0) * self.args.lease
         worker.signal(signal.SIGSTOP)
         worker.stopped_until = time.monotonic() + pause
         self.figures.stops += 1
@@ -322,8 +333,10 @@ class Chaos:
         """Queue one run of a random kind, with its expected outcome."""
         self.seq += 1
         rng = self.rng
-        kind = rng.choices(["steps", "sleeper", "retry", "saga", "parent", "timeout"],
-                           weights=[30, 15, 15, 15, 15, 5])[0]
+        kinds = {"steps": 20, "sleeper": 10, "retry": 12, "saga": 12, "parent": 10, "timeout": 4}
+        if NEWER_APIS:
+            kinds.update(txn=12, event=12, waiter=8)
+        kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
         run_id = f"chaos-{kind}-{self.seq:05d}"
         work = round(rng.uniform(0.0, 0.15), 3)
         status, error_type, timeout = "completed", None, None
@@ -341,9 +354,20 @@ class Chaos:
         elif kind == "parent":
             inp = {"children": rng.randint(1, 2), "work": work,
                    "child_seconds": [round(rng.uniform(0.0, 0.1), 3) for _ in range(2)]}
-        else:
+        elif kind == "timeout":
             inp = {"sleep": 3600, "work": work}
             status, error_type, timeout = "dead_letter", "Timeout", 2.0
+        elif kind == "txn":
+            inp = {"transactions": rng.randint(1, 3), "work": work}
+        elif kind == "event":
+            sent = rng.random() < 0.8  # else the wait times out (1s), as designed
+            inp = {"work": work, "send": {"n": self.seq} if sent else None,
+                   "timeout": 120 if sent else 1.0, "delay": round(rng.uniform(0.0, 3.0), 2)}
+        else:
+            fails = rng.random() < 0.3
+            inp = {"work": work, "child_fails": fails,
+                   "child": ({"compensable": 1, "work": work} if fails
+                             else {"seconds": [round(rng.uniform(0.0, 0.1), 3)] * 2})}
         self.pending_starts.append((run_id, kind, status, error_type, inp, timeout,
                                     f"chaos.{kind}"))
 
@@ -368,6 +392,27 @@ class Chaos:
                 return  # try again at the next tick
             self.pending_starts.pop(0)
             self.figures.runs[kind] += 1
+            if kind == "event" and inp["send"] is not None:  # maybe before the run waits
+                self.pending_events.append((time.monotonic() + inp["delay"], run_id, inp["send"]))
+
+    def send_events(self) -> None:
+        """Send the events that are due (again after an outage: a duplicate is never waited
+        for, each wait consumes one)."""
+        now = time.monotonic()
+        for item in sorted(self.pending_events):
+            due, run_id, payload = item
+            if due > now:
+                break
+            try:
+                self.connect(patience=5).execute("select flowly.send_event(%s, 'go', %s)",
+                                                 (run_id, Jsonb(payload)))
+            except psycopg.OperationalError:
+                self.close_conn()
+                return
+            except psycopg.Error as exc:  # a resend after the run finished: WF004
+                self.event(f"send_event {run_id}: {exc}")
+            self.pending_events.remove(item)
+            self.figures.events += 1
 
     def unfinished(self) -> int:
         rows = self.sql("select count(*) from flowly.runs where status not in"
@@ -407,6 +452,7 @@ class Chaos:
                         self.plan_run()
                 next_start = now + 0.25
             self.start_pending()
+            self.send_events()
             for kind, at in due.items():
                 if now >= at:
                     {"kill": self.kill_one, "stop": self.stop_one,
@@ -421,14 +467,12 @@ class Chaos:
         for worker in self.workers:
             if worker.stopped_until is not None:
                 worker.stopped_until = 0.0
-        while self.pending_starts:
-            self.reap()
-            self.start_pending()
-            time.sleep(0.1)
         settle_end = time.monotonic() + args.settle
         while time.monotonic() < settle_end:
             self.reap()
-            if self.unfinished() == 0:
+            self.start_pending()
+            self.send_events()
+            if not self.pending_starts and self.unfinished() == 0:
                 break
             time.sleep(0.5)
         settled = time.monotonic() - end
@@ -514,6 +558,7 @@ class Results:
     counts: Counter[str] = field(default_factory=Counter)
     execs: dict[str, list[Exec]] = field(default_factory=dict)
     steps: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    fenced: list[str] = field(default_factory=list)  # executions a frozen worker made late
 
     def fail(self, run_id: str, what: str, counter: str | None = None) -> None:
         self.violations[run_id].append(what)
@@ -529,7 +574,7 @@ def _body_steps(kind: str, inp: dict[str, Any]) -> list[str]:
         return [f"s{i}" for i in range(len(inp["naps"]))] + ["last"]
     if kind == "retry":
         return ["before", "flaky", "after"]
-    if kind == "parent":
+    if kind in ("parent", "txn", "event", "waiter"):
         return ["before", "after"]
     return []
 
@@ -546,10 +591,13 @@ def check(chaos: Chaos) -> Results:
                 for r in q("select run_id, kind, status, error_type, input"
                            " from public.chaos_expected")}
     res = Results(runs, expected)
-    # children: started by their parents, expected to complete
+    # children: started by their parents; a saga child fails by design
     for run in runs.values():
         if run["id"] not in expected and run["parent_run_id"] in expected:
-            expected[run["id"]] = {"kind": "child", "status": "completed", "error_type": None,
+            saga = run["workflow"] == "chaos.saga"
+            expected[run["id"]] = {"kind": "saga" if saga else "steps", "child": True,
+                                   "status": "dead_letter" if saga else "completed",
+                                   "error_type": "DesignedFailure" if saga else None,
                                    "input": run["input"]}
     for run_id, step, status, output, seq, finished_at, comp_status, compensated_at in q(
             "select run_id, name, status, output, seq, finished_at, compensation_status,"
@@ -578,6 +626,13 @@ def check(chaos: Chaos) -> Results:
                      "lost runs")
             continue
         check_run(res, run, exp, attempts.get((run_id, "flaky"), 0))
+    # transactional steps: their SQL committed exactly once, with the checkpoint it returned
+    txn_rows: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for run_id, step, row_id in q("select run_id, step, id from public.chaos_txn order by id"):
+        txn_rows[(run_id, step)].append(row_id)
+    for run_id, exp in expected.items():
+        if exp["kind"] == "txn":
+            check_txn(res, run_id, exp["input"], txn_rows)
     for run_id, execs in res.execs.items():
         check_executions(res, run_id, execs, by_id)
     return res
@@ -601,7 +656,7 @@ def check_run(res: Results, run: dict[str, Any], exp: dict[str, Any], flaky_atte
     kind, inp = exp["kind"], exp["input"]
     steps = res.steps.get(run_id, {})
     if status == "completed":
-        names = _body_steps("steps" if kind == "child" else kind, inp)
+        names = _body_steps(kind, inp)
         stored = []
         for name in names:
             step = steps.get(name)
@@ -630,6 +685,26 @@ def check_run(res: Results, run: dict[str, Any], exp: dict[str, Any], flaky_atte
             res.fail(run_id, f"children {actual} (output says"
                              f" {(run['output'] or {}).get('children')}), expected {children}",
                      "wrong children")
+    if kind == "event" and status == "completed":
+        output = run["output"] or {}
+        want = {"payload": inp["send"], "timed_out": inp["send"] is None}
+        got = {"payload": output.get("payload"), "timed_out": output.get("timed_out")}
+        if got != want:
+            res.fail(run_id, f"event wait gave {got}, expected {want}", "wrong events")
+    if kind == "waiter" and status == "completed":
+        output = run["output"] or {}
+        child_id = f"{run_id}:chaos.{'saga' if inp['child_fails'] else 'steps'}:1"
+        child = res.runs.get(child_id)
+        actual = sorted(r["id"] for r in res.runs.values() if r["parent_run_id"] == run_id)
+        if actual != [child_id] or child is None:
+            res.fail(run_id, f"children {actual}, expected [{child_id}]", "wrong children")
+        elif inp["child_fails"]:
+            if (output.get("child_failed"), output.get("child_error")) != (
+                    "dead_letter", "DesignedFailure"):
+                res.fail(run_id, f"waited for a failing child: got {output}", "wrong children")
+        elif output.get("child") != child["output"]:
+            res.fail(run_id, f"waited for child output {child['output']}, got"
+                             f" {output.get('child')}", "wrong children")
     if kind == "saga":
         names = [f"c{i}" for i in range(inp["compensable"])]
         if run["compensation_ok"] is not True:
@@ -651,6 +726,32 @@ def check_run(res: Results, run: dict[str, Any], exp: dict[str, Any], flaky_atte
             res.fail(run_id, f"compensations not last-first: {order}", "wrong final state")
         if (steps.get("boom") or {}).get("status") != "failed":
             res.fail(run_id, "step boom is not recorded as failed", "wrong final state")
+
+
+def check_txn(res: Results, run_id: str, inp: dict[str, Any],
+              txn_rows: dict[tuple[str, str], list[int]]) -> None:
+    run = res.runs.get(run_id) or {}
+    steps = res.steps.get(run_id, {})
+    ids = []
+    for i in range(int(inp["transactions"])):
+        name = f"t{i}"
+        rows = txn_rows.get((run_id, name), [])
+        step = steps.get(name)
+        if len(rows) > 1:
+            res.fail(run_id, f"transactional step {name} committed its SQL {len(rows)} times"
+                             f" (rows {rows})", "duplicated")
+        if step is not None and step["status"] == "completed":
+            stored = (step["output"] or {}).get("txn")
+            if rows != [stored]:
+                res.fail(run_id, f"transactional step {name}: checkpoint says row {stored},"
+                                 f" the table holds {rows}", "lost")
+            ids.append(stored)
+        elif rows:
+            res.fail(run_id, f"transactional step {name} has no checkpoint, yet its SQL"
+                             f" committed (rows {rows})", "lost")
+    if run.get("status") == "completed" and (run.get("output") or {}).get("txns") != ids:
+        res.fail(run_id, f"output txns {(run.get('output') or {}).get('txns')} are not the"
+                         f" checkpoints {ids}", "inexact replay")
 
 
 def check_executions(res: Results, run_id: str, execs: list[Exec], by_id: dict[str, Exec]) -> None:
@@ -679,6 +780,8 @@ def check_executions(res: Results, run_id: str, execs: list[Exec], by_id: dict[s
                                  f" {ckpt.describe()}): {e.describe()}", "duplicated")
             else:
                 res.counts["fenced executions after the checkpoint"] += 1
+                res.fenced.append(f"{run_id} step {name}: {e.describe()}; checkpoint written"
+                                  f" {step['finished_at']:%H:%M:%S.%f} by {ckpt.describe()}")
         # a checkpoint can only land while its epoch is current: a newer claim that had
         # begun executing before it was written means a stale write got through
         if ckpt.epoch is not None:
@@ -720,6 +823,8 @@ def check_executions(res: Results, run_id: str, execs: list[Exec], by_id: dict[s
                              f" ({done:%H:%M:%S.%f}): {e.describe()}", "duplicated")
         else:
             res.counts["fenced executions after the checkpoint"] += 1
+            res.fenced.append(f"{run_id} compensation of {e.step}: {e.describe()}; outcome"
+                              f" stored {done:%H:%M:%S.%f}")
 
 
 def inject_faults(chaos: Chaos) -> dict[str, str]:
@@ -748,6 +853,11 @@ def inject_faults(chaos: Chaos) -> dict[str, str]:
     q(copy_exec, (-0.5, breach, "s1"))  # a newer claim ran before s1's checkpoint landed
     faults = {dup: "duplicated", lost: "lost", poisoned: "innocent dead letters",
               stuck: "stuck", breach: "fencing breaches"}
+    txn = q("select r.id from flowly.runs r join public.chaos_expected x on x.run_id = r.id"
+            " where x.kind = 'txn' and r.status = 'completed' order by r.id limit 1")
+    if txn:  # a transactional step's SQL committed twice
+        q("insert into public.chaos_txn (run_id, step, pid) values (%s, 't0', 0)", (txn[0][0],))
+        faults[txn[0][0]] = "duplicated"
     for run_id, counter in faults.items():
         print(f"chaos: injected into {run_id}: {counter}")
     return faults
@@ -756,13 +866,20 @@ def inject_faults(chaos: Chaos) -> dict[str, str]:
 # -- reporting --------------------------------------------------------------------------------
 
 
+def _exit_causes(exits: list[str]) -> str:
+    """How many of the workers' own exits were a start while the server was down."""
+    at_start = sum("cannot connect to the database" in text for text in exits)
+    return f" ({at_start} at start: server down)" if at_start else ""
+
+
 def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
     f = chaos.figures
     started = sum(f.runs.values())
-    children = sum(1 for e in res.expected.values() if e["kind"] == "child")
+    children = sum(1 for e in res.expected.values() if e.get("child"))
     print()
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(f.runs.items()))
-    print(f"runs            {started} started ({kinds}) + {children} children")
+    print(f"runs            {started} started ({kinds}) + {children} children;"
+          f" {f.events} events sent")
     print(f"outcomes        {', '.join(f'{k} {v}' for k, v in sorted(res.outcomes.items()))}")
     print(f"chaos           kills {f.kills}, stops {f.stops}, restarts"
           f" {sum(f.restarts.values())} (fast {f.restarts['fast']},"
@@ -772,11 +889,17 @@ def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
           f" (at-least-once) {c['re-executions before the checkpoint']}; fenced executions"
           f" after it {c['fenced executions after the checkpoint']}")
     print(f"workers         {f.spawned} started, {f.exits_ours} SIGKILLed by us,"
-          f" {len(f.exits_other)} exits otherwise")
+          f" {len(f.exits_other)} exits otherwise{_exit_causes(f.exits_other)}")
     checks = ["lost", "stuck", "duplicated", "innocent dead letters", "wrong final state",
-              "fencing breaches", "inexact replay", "wrong children", "unexpected", "lost runs"]
+              "fencing breaches", "inexact replay", "wrong children", "wrong events",
+              "unexpected", "lost runs"]
     print(f"invariants      {', '.join(f'{k} {c[k]}' for k in checks)}")
-    print("skipped         transactional steps and events (not in this engine yet)")
+    if not NEWER_APIS:
+        print("skipped         transactional steps, events and waits for runs (not in this"
+              " engine yet)")
+    if chaos.args.verbose:
+        for text in res.fenced:
+            print(f"fenced late     {text}")
     for text in f.exits_other:
         print(f"\nnote: {text}")
     if injected:

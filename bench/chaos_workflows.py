@@ -16,7 +16,18 @@ transaction that starts the run):
 - ``chaos.saga``: its last step always fails, so ``dead_letter`` with every compensation
   done (``compensation_ok``);
 - ``chaos.timeout``: started with a short timeout, it sleeps far longer: ``dead_letter``
-  with error type ``Timeout``.
+  with error type ``Timeout``;
+- ``chaos.txn``: transactional steps (``ctx.transaction``), each inserting one row into
+  ``public.chaos_txn`` in the transaction of its checkpoint: ``completed``, with exactly one
+  row per transactional step;
+- ``chaos.event``: waits for event ``go`` (``ctx.wait_for_event``), which the driver sends
+  (maybe before the wait) or not (then the wait times out, which the body catches):
+  ``completed``, with the payload sent, or ``timed_out``;
+- ``chaos.waiter``: ``ctx.run`` of a child (``chaos.steps``, or a ``chaos.saga`` that fails,
+  whose ``ChildFailed`` the body catches): ``completed``, with the child's output or failure.
+
+The last three need an engine with ``ctx.transaction``, ``ctx.wait_for_event`` and
+``ctx.run``; the driver starts them only when ``flowly.Context`` has those.
 """
 
 from __future__ import annotations
@@ -45,6 +56,13 @@ create table if not exists public.chaos_exec (
     at timestamptz not null default clock_timestamp()
 );
 create index if not exists chaos_exec_run_step on public.chaos_exec (run_id, step);
+create table if not exists public.chaos_txn (
+    id bigserial primary key,
+    run_id text not null,
+    step text not null,
+    pid integer not null,
+    at timestamptz not null default clock_timestamp()
+);
 """
 
 # how long an execution keeps trying to record itself while the server is away
@@ -184,3 +202,50 @@ async def timeout(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
     await ctx.sleep("forever", inp["sleep"])
     outputs += await _steps(ctx, ["after"], [inp["work"]])
     return _result(ctx, outputs)
+
+
+def txn_insert(conn: psycopg.Connection[Any], run_id: str, step: str, seconds: float
+               ) -> dict[str, Any]:
+    """A transactional step's SQL: one row, committed with the checkpoint or not at all."""
+    row = conn.execute("insert into public.chaos_txn (run_id, step, pid) values (%s, %s, %s)"
+                       " returning id", (run_id, step, os.getpid())).fetchone()
+    if seconds:
+        time.sleep(seconds)  # the transaction stays open meanwhile: a window for the chaos
+    assert row is not None
+    return {"txn": row[0]}
+
+
+@flowly.workflow("chaos.txn")
+async def txn(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
+    """A step, ``transactions`` transactional steps, a step."""
+    outputs = await _steps(ctx, ["before"], [inp["work"]])
+    ids = [(await ctx.transaction(f"t{i}", txn_insert, ctx.run_id, f"t{i}", inp["work"]))["txn"]
+           for i in range(int(inp["transactions"]))]
+    outputs += await _steps(ctx, ["after"], [inp["work"]])
+    return _result(ctx, outputs, txns=ids)
+
+
+@flowly.workflow("chaos.event")
+async def event(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
+    """A step, a wait for event ``go`` (its timeout caught), a step."""
+    outputs = await _steps(ctx, ["before"], [inp["work"]])
+    try:
+        payload, timed_out = await ctx.wait_for_event("go", timeout=inp["timeout"]), False
+    except flowly.EventTimeout:
+        payload, timed_out = None, True
+    outputs += await _steps(ctx, ["after"], [inp["work"]])
+    return _result(ctx, outputs, payload=payload, timed_out=timed_out)
+
+
+@flowly.workflow("chaos.waiter")
+async def waiter(ctx: flowly.Context, inp: dict[str, Any]) -> dict[str, Any]:
+    """A step, ``ctx.run`` of a child (a failing saga's ChildFailed caught), a step."""
+    outputs = await _steps(ctx, ["before"], [inp["work"]])
+    child_workflow = "chaos.saga" if inp["child_fails"] else "chaos.steps"
+    try:
+        result = {"child": await ctx.run(child_workflow, inp["child"])}
+    except flowly.ChildFailed as exc:
+        error = exc.error if isinstance(exc.error, dict) else {}
+        result = {"child_failed": exc.status, "child_error": error.get("type")}
+    outputs += await _steps(ctx, ["after"], [inp["work"]])
+    return _result(ctx, outputs, **result)
