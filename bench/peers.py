@@ -1,140 +1,107 @@
-"""flowly and DBOS Transact side by side: the same three-step workflows, the same database.
+"""flowly and its peers side by side: the same workloads, the same server, one sitting.
 
-Each engine gets a fresh database on the same server. N workflows of three no-op async steps
-are enqueued one by one through the engine's own client API (timed: enqueues/s), then one
-worker of the engine, at the same concurrency, drains them (timed from worker start to the
-last completion: runs/s). DBOS runs in a child process (it keeps global state).
+- three-step workflows of no-op async steps: flowly and DBOS Transact (dbos);
+- three-step workflows of no-op sync steps: flowly and Absurd (absurd-sdk's sync worker);
+- one-step jobs: flowly (one-step workflows) and pgqueuer (asyncpg driver, batched dequeue).
 
-    python bench/peers.py --runs 2000 --concurrency 64
+Each engine gets a fresh database on the same server and a worker process of its own; N
+jobs are enqueued first (untimed), then the worker is told to start and the drain is timed
+from here, by polling the engine's tables, until the last job finished. A peer that has not
+finished after ``--timeout`` seconds is rated by the jobs it finished by then. Engines take
+turns within each repetition, so a noisy neighbour hits them alike.
+
+    python bench/peers.py --runs 2000 --concurrency 64 --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import os
-import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import flowly
-from bench.throughput import three_steps
+from bench import throughput
+from bench.common import Child, Sample, dsn_to_url, fresh_database, ratio
 from flowly.config import resolve_dsn
 
 
-def fresh_database(dsn: str, name: str) -> str:
-    """Drop and create database ``name`` on the server of ``dsn``; return its DSN."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(
-            sql.Identifier(name)))
-        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-    return make_conninfo(dsn, dbname=name)
+@dataclass
+class Peer:
+    name: str
+    module: str
+    database: str
+    done: str  # true once every job finished
+    finished: str  # how many jobs finished
+    args: Callable[[str, int, int], list[str]]
 
 
-def wait_until_done(dsn: str, query: str, runs: int) -> float:
-    """Poll ``query`` (a count of finished runs) until it reaches ``runs``; returns the time."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while True:
-            row = conn.execute(query).fetchone()
-            if row is not None and row[0] >= runs:
-                return time.perf_counter()
-            time.sleep(0.02)
+PEERS = {
+    "dbos": Peer(
+        "DBOS Transact", "bench.peer.dbos_child", "flowly_bench_dbos",
+        "select not exists (select from dbos.workflow_status"
+        " where status in ('ENQUEUED', 'PENDING'))",
+        "select count(*) from dbos.workflow_status where status = 'SUCCESS'",
+        lambda dsn, runs, c: [dsn_to_url(dsn), str(runs), str(c)]),
+    "absurd": Peer(
+        "Absurd", "bench.peer.absurd_child", "flowly_bench_absurd",
+        "select not exists (select from absurd.t_bench where state <> 'completed')",
+        "select count(*) from absurd.t_bench where state = 'completed'",
+        lambda dsn, runs, c: [dsn, str(runs), str(c)]),
+    "pgqueuer": Peer(
+        "pgqueuer", "bench.peer.pgqueuer_child", "flowly_bench_pgqueuer",
+        "select not exists (select from pgqueuer)",
+        "select count(*) from pgqueuer_log where status = 'successful'",
+        # batch size: pgqueuer's dequeue batch; a quarter of the concurrency, 10 at least
+        lambda dsn, runs, c: [dsn_to_url(dsn), str(runs), str(max(10, c // 4))]),
+}
 
 
-def run_flowly(dsn: str, runs: int, concurrency: int) -> tuple[float, float]:
-    """Enqueue ``runs`` through Client.start (timed), then time one worker draining them."""
-    flowly.install_dsn(dsn)
-    with flowly.Client(dsn) as client:
-        started = time.perf_counter()
-        for _ in range(runs):
-            client.start(three_steps)
-        enqueue_seconds = time.perf_counter() - started
-
-    async def drain() -> float:
-        worker = flowly.Worker(dsn, [three_steps], concurrency=concurrency, poll_interval=0.05)
-        started = time.perf_counter()
-        task = asyncio.create_task(worker.run())
-        finished = await asyncio.to_thread(
-            wait_until_done, dsn,
-            "select count(*) from flowly.runs where status = 'completed'", runs)
-        worker.stop()
-        await task
-        return finished - started
-
-    return enqueue_seconds, asyncio.run(drain())
+def available(name: str) -> str | None:
+    """None if the peer's packages import here, else why not."""
+    modules = {"dbos": ["dbos"], "absurd": ["absurd_sdk", "absurdctl"],
+               "pgqueuer": ["pgqueuer", "asyncpg"]}[name]
+    for module in modules:
+        try:
+            __import__(module)
+        except ImportError as exc:
+            return f"{module} not installed ({exc}); pip install -e '.[peers]'"
+    return None
 
 
-DBOS_CHILD = """
-import asyncio, json, sys, time
-import psycopg
-from dbos import DBOS, DBOSClient
-
-url, dsn, runs, concurrency = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-DBOS(config={"name": "flowly-bench-peer", "system_database_url": url, "log_level": "WARNING",
-             "application_version": "bench"})
-
-@DBOS.step()
-async def add_one(value: int) -> int:
-    return value + 1
-
-@DBOS.workflow()
-async def three_steps() -> int:
-    total = 0
-    for _ in range(3):
-        total = await add_one(total)
-    return total
-
-def finished() -> float:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while conn.execute("select count(*) from dbos.workflow_status"
-                           " where status = 'SUCCESS'").fetchone()[0] < runs:
-            time.sleep(0.02)
-    return time.perf_counter()
-
-async def main() -> tuple[float, float]:
-    DBOS.launch()
-    client = DBOSClient(system_database_url=url)
-    options = {"queue_name": "bench", "workflow_name": three_steps.__qualname__,
-               "app_version": "bench"}
-    started = time.perf_counter()
-    for _ in range(runs):
-        client.enqueue(options)
-    enqueue_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    # the queue starts dequeuing once registered, like a flowly worker once started
-    await DBOS.register_queue_async("bench", worker_concurrency=concurrency,
-                                    polling_interval_sec=0.05)
-    return enqueue_seconds, await asyncio.to_thread(finished) - started
-
-print(json.dumps(asyncio.run(main())))
-DBOS.destroy()
-"""
-
-
-def run_dbos(dsn: str, runs: int, concurrency: int) -> tuple[float, float]:
-    """The same in a DBOS child process: DBOSClient.enqueue (timed), then one queue worker."""
-    params = conninfo_to_dict(dsn)
-    host = str(params.get("host", "127.0.0.1"))
-    user = params.get("user", "postgres")
-    port = params.get("port", 5432)
-    url = (f"postgresql://{user}@/{params['dbname']}?host={host}&port={port}"
-           if host.startswith("/") else f"postgresql://{user}@{host}:{port}/{params['dbname']}")
-    done = subprocess.run(
-        [sys.executable, "-c", DBOS_CHILD, url, dsn, str(runs), str(concurrency)],
-        capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the DBOS run failed:\n{done.stderr[-3000:]}")
-    enqueue_seconds, drain_seconds = json.loads(done.stdout.strip().splitlines()[-1])
-    return float(enqueue_seconds), float(drain_seconds)
+def drain_peer(server: str, name: str, runs: int, concurrency: int,
+               timeout: float) -> throughput.Drain:
+    peer = PEERS[name]
+    dsn = fresh_database(server, peer.database)
+    child = Child(["-m", peer.module, *peer.args(dsn, runs, concurrency)])
+    try:
+        child.wait_ready(timeout=900)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            started = time.perf_counter()
+            child.send("go")
+            deadline = time.monotonic() + timeout
+            while True:
+                row = conn.execute(peer.done).fetchone()
+                now = time.perf_counter()
+                if (row is not None and row[0]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            done = bool(row and row[0])
+            finished = runs
+            if not done:
+                count = conn.execute(peer.finished).fetchone()
+                finished = count[0] if count else 0
+        child.finish()
+        return throughput.Drain(finished, now - started, done)
+    finally:
+        child.kill()
 
 
 def main() -> None:
@@ -142,22 +109,33 @@ def main() -> None:
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--peers", nargs="+", default=list(PEERS))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     server = resolve_dsn(args.dsn)
-    results = {
-        "flowly": run_flowly(fresh_database(server, "flowly_bench_peer_flowly"), args.runs,
-                             args.concurrency),
-        "dbos": run_dbos(fresh_database(server, "flowly_bench_peer_dbos"), args.runs,
-                         args.concurrency),
-    }
-    print(f"{'engine':>8} {'runs':>6} {'enqueue/s':>10} {'runs/s':>8}")
-    for name, (enqueue_seconds, drain_seconds) in results.items():
-        print(f"{name:>8} {args.runs:>6} {args.runs / enqueue_seconds:>10.0f}"
-              f" {args.runs / drain_seconds:>8.0f}")
-    (flowly_enqueue, flowly_drain), (dbos_enqueue, dbos_drain) = results.values()
-    print(f"flowly / dbos: enqueue {dbos_enqueue / flowly_enqueue:.2f}x,"
-          f" runs {dbos_drain / flowly_drain:.2f}x")
+    flowly_dsn = fresh_database(server, "flowly_bench")
+    throughput.prepare(flowly_dsn)
+    pairs = {"dbos": "bench.three_async", "absurd": "bench.three_sync",
+             "pgqueuer": "bench.one_async"}
+    results: dict[str, tuple[Sample, Sample]] = {}
+    for _ in range(args.repeat):
+        for name in args.peers:
+            why = available(name)
+            if why:
+                print(f"{name}: skipped, {why}")
+                continue
+            ours, theirs = results.setdefault(name, (Sample(), Sample()))
+            ours.add(throughput.drain(flowly_dsn, pairs[name], args.runs,
+                                      args.concurrency).rate)
+            theirs.add(drain_peer(server, name, args.runs, args.concurrency,
+                                  args.timeout).rate)
+    print(f"{'workload':>18} {'peer':>14} {'flowly runs/s':>20} {'peer runs/s':>20}"
+          f" {'flowly/peer':>11}")
+    for name, (ours, theirs) in results.items():
+        print(f"{pairs[name]:>18} {PEERS[name].name:>14} {ours.fmt():>20} {theirs.fmt():>20}"
+              f" {ratio(ours, theirs):>10.2f}x")
 
 
 if __name__ == "__main__":
