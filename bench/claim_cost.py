@@ -111,6 +111,33 @@ def long_run_claim_ms(conn: psycopg.Connection[Any], steps: int,
     return statistics.median(long_ms), statistics.median(fresh_ms), statistics.median(page_ms)
 
 
+def measure(dsn: str, finished: int = 1_000_000, sleeping: int = 300_000,
+            foreign: int = 300_000, steps: int = 10_000, rounds: int = 200,
+            limit: int = 10) -> dict[str, float]:
+    """Median claim times in ms: ``empty``, ``loaded`` (history of ``finished`` runs and
+    more), ``fresh`` and ``long`` (one run, ``steps`` checkpoints), ``page``."""
+    schemas = (EMPTY, LOADED)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for schema in schemas:
+            conn.execute(sql.SQL("drop schema if exists {} cascade").format(
+                sql.Identifier(schema)))
+            flowly.install(conn, schema)
+        try:
+            load_history(conn, finished, sleeping, foreign)
+            timings: dict[str, list[float]] = {schema: [] for schema in schemas}
+            for _ in range(rounds):
+                for schema in schemas:
+                    timings[schema].append(claim_ms(conn, schema, limit))
+            empty, loaded = (statistics.median(timings[schema]) for schema in schemas)
+            long_ms, fresh_ms, page_ms = long_run_claim_ms(conn, steps, rounds)
+        finally:
+            for schema in schemas:
+                conn.execute(sql.SQL("drop schema if exists {} cascade").format(
+                    sql.Identifier(schema)))
+    return {"empty": empty, "loaded": loaded, "fresh": fresh_ms, "long": long_ms,
+            "page": page_ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
@@ -122,25 +149,10 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    dsn = resolve_dsn(args.dsn)
-    schemas = (EMPTY, LOADED)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in schemas:
-            conn.execute(sql.SQL("drop schema if exists {} cascade").format(
-                sql.Identifier(schema)))
-            flowly.install(conn, schema)
-        try:
-            load_history(conn, args.finished, args.sleeping, args.foreign)
-            timings: dict[str, list[float]] = {schema: [] for schema in schemas}
-            for _ in range(args.rounds):
-                for schema in schemas:
-                    timings[schema].append(claim_ms(conn, schema, args.limit))
-            empty, loaded = (statistics.median(timings[schema]) for schema in schemas)
-            long_ms, fresh_ms, page_ms = long_run_claim_ms(conn, args.steps, args.rounds)
-        finally:
-            for schema in schemas:
-                conn.execute(sql.SQL("drop schema if exists {} cascade").format(
-                    sql.Identifier(schema)))
+    m = measure(resolve_dsn(args.dsn), args.finished, args.sleeping, args.foreign, args.steps,
+                args.rounds, args.limit)
+    empty, loaded, fresh_ms, long_ms, page_ms = (
+        m["empty"], m["loaded"], m["fresh"], m["long"], m["page"])
     print(f"claim of {args.limit} runs, median of {args.rounds}, measured in turns:")
     print(f"  empty tables                     {empty:8.2f} ms")
     print(f"  {args.finished:,} finished, {args.sleeping:,} sleeping and {args.foreign:,}"

@@ -1,63 +1,121 @@
-"""Latency of one three-step workflow on an idle worker, from enqueue to completion.
+"""Latency on an idle worker: enqueue to first step, and how late Client.wait returns.
 
-Starts runs one at a time (each after the previous finished) so every run wakes an idle
-worker through NOTIFY, and reads the end-to-end time from the database's own timestamps
-(``finished_at - created_at``), so client polling does not distort it.
+An idle flowly worker process (poll interval 5 s, so NOTIFY is what wakes it); this process
+starts one run at a time with ``flowly.Client.start`` and waits for it with
+``Client.wait``. The run's only step returns the wall-clock time it ran, so:
 
-    python bench/latency.py --runs 200
+- enqueue -> first step: the step's time minus the time just before ``start`` was called;
+- wait return delay: the time ``wait`` returned minus the run's ``finished_at``.
+
+Also the per-step cost of one workflow of many sequential no-op steps, and pgqueuer's
+enqueue -> job start on the same server (bench/peer/pgqueuer_latency.py), when installed.
+
+    python bench/latency.py --runs 200 --steps 1000
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
-
-import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
-from bench.throughput import three_steps
+from bench import workloads  # noqa: F401  (registers the workflows)
+from bench.common import Child, dsn_to_url, fresh_database
 from flowly.config import resolve_dsn
 
 
-async def measure(dsn: str, runs: int) -> list[float]:
-    worker = flowly.Worker(dsn, [three_steps], concurrency=8, poll_interval=5)
-    task = asyncio.create_task(worker.run())
-    async with flowly.AsyncClient(dsn) as client:
-        await asyncio.sleep(0.5)  # the worker is up and idle
-        ids = []
-        for _ in range(runs):
-            run_id = await client.start(three_steps)
-            await client.wait(run_id, timeout=30)
-            ids.append(run_id)
-    worker.stop()
-    await task
-    async with await psycopg.AsyncConnection.connect(dsn) as conn:
-        cursor = await conn.execute(
-            "select extract(epoch from finished_at - created_at) * 1000 from flowly.runs"
-            " where id = any(%s)", (ids,))
-        return [float(row[0]) for row in await cursor.fetchall()]
+def quantiles(values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(sorted(values), n=100, method="inclusive")
+    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98], "max": max(values)}
+
+
+def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
+    """(enqueue -> first step ms, wait return delay ms) of ``runs`` runs one at a time."""
+    child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow",
+                   "bench.first_step_time", "--concurrency", "8", "--poll-interval", "5"])
+    first, delay = [], []
+    try:
+        child.wait_ready()
+        child.send("go")
+        with flowly.Client(dsn) as client:
+            time.sleep(1.0)  # the worker is up, listening and idle
+            for _ in range(runs):
+                before = time.time()
+                run_id = client.start("bench.first_step_time")
+                run = client.wait(run_id, timeout=30)
+                returned = time.time()
+                assert run.status == "completed", run
+                assert run.finished_at is not None
+                first.append((float(run.output) - before) * 1000)
+                delay.append((returned - run.finished_at.timestamp()) * 1000)
+                time.sleep(0.01)
+        child.finish()
+    finally:
+        child.kill()
+    return first, delay
+
+
+def step_cost(dsn: str, steps: int) -> float:
+    """Per-step ms of one workflow of ``steps`` sequential no-op steps (its own run time
+    from started_at to finished_at, divided by the steps)."""
+    child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow",
+                   "bench.many_steps", "--concurrency", "1", "--poll-interval", "0.05"])
+    try:
+        child.wait_ready()
+        child.send("go")
+        time.sleep(1.0)  # the worker is up
+        with flowly.Client(dsn) as client:
+            run = client.wait(client.start("bench.many_steps", steps), timeout=600)
+        child.finish()
+    finally:
+        child.kill()
+    assert run.status == "completed" and run.started_at and run.finished_at, run
+    return (run.finished_at - run.started_at).total_seconds() * 1000 / steps
+
+
+def pgqueuer_latency(server: str, runs: int) -> list[float] | None:
+    try:
+        import pgqueuer  # noqa: F401
+    except ImportError:
+        return None
+    dsn = fresh_database(server, "flowly_bench_pgqueuer")
+    child = Child(["-m", "bench.peer.pgqueuer_latency", dsn_to_url(dsn), str(runs)])
+    try:
+        child.wait_ready()
+        child.send("go")
+        result = child.finish(timeout=runs * 30)
+    finally:
+        child.kill()
+    return [float(v) for v in result["ms"]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    dsn = resolve_dsn(args.dsn)
+    server = resolve_dsn(args.dsn)
+    dsn = fresh_database(server, "flowly_bench")
     flowly.install_dsn(dsn)
-    millis = sorted(asyncio.run(measure(dsn, args.runs)))
-    quantiles = statistics.quantiles(millis, n=100)
-    print(f"{'runs':>6} {'p50_ms':>8} {'p95_ms':>8} {'p99_ms':>8} {'max_ms':>8}")
-    print(f"{len(millis):>6} {quantiles[49]:>8.1f} {quantiles[94]:>8.1f} {quantiles[98]:>8.1f}"
-          f" {millis[-1]:>8.1f}")
+    first, delay = flowly_latency(dsn, args.runs)
+    rows = {"flowly enqueue -> first step": quantiles(first),
+            "flowly Client.wait return delay": quantiles(delay)}
+    theirs = pgqueuer_latency(server, args.runs)
+    if theirs:
+        rows["pgqueuer enqueue -> job start"] = quantiles(theirs)
+    print(f"{'ms':<34} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7}")
+    for name, q in rows.items():
+        print(f"{name:<34} {q['p50']:>7.2f} {q['p95']:>7.2f} {q['p99']:>7.2f} {q['max']:>7.2f}")
+    print(f"{args.steps} sequential no-op steps: {step_cost(dsn, args.steps):.3f} ms per step")
 
 
 if __name__ == "__main__":
