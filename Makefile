@@ -27,15 +27,16 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check flowly tests bench examples
 	$(BIN)/mypy
 
-bench: $(BIN)/.installed
-	$(BIN)/python bench/throughput.py
-	$(BIN)/python bench/latency.py
+# every figure of issue 11 in one sitting (peers included), one table of ratios; the full
+# size takes about 25 minutes, CI (CI=true) or BENCH_ARGS="--size ci" about two
+bench: $(BIN)/.peers
+	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 
-$(BIN)/.peers: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test,peers]'
+$(BIN)/.peers: $(BIN)/.installed pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test,bench,peers]'
 	touch $@
 
-# flowly and DBOS Transact side by side on the same database server
+# flowly next to DBOS Transact, Absurd and pgqueuer on the same server, same workloads
 bench-peers: $(BIN)/.peers
 	$(BIN)/python bench/peers.py $(PEERS_ARGS)
 
