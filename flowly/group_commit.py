@@ -59,9 +59,12 @@ class GroupCommitter:
     """Queues fenced writes and flushes them in batches from ``flushers`` concurrent tasks."""
 
     def __init__(
-        self, pool: AsyncConnectionPool, calls: Calls, *, flushers: int = 2, max_batch: int = 128
+        self, pool: AsyncConnectionPool, calls: Calls, *, flushers: int = 2, max_batch: int = 128,
+        timeout: float | None = None,
     ) -> None:
         self._pool = pool
+        # a flush that does not answer in time fails its writes as a lost connection would
+        self._timeout = timeout
         self._calls = calls
         self._max_batch = max_batch
         self._flushers = flushers
@@ -145,7 +148,7 @@ class GroupCommitter:
             batch = self._pending[: self._max_batch]
             del self._pending[: self._max_batch]
             try:
-                await self._flush(batch)
+                await asyncio.wait_for(self._flush(batch), self._timeout)
             except Exception as exc:
                 if is_contention(exc) or is_connection_failure(exc):
                     # the connection failed (or, rarely, the batch lost a deadlock): each run
@@ -159,7 +162,7 @@ class GroupCommitter:
                                len(batch), exc)
                 for item in batch:
                     try:
-                        await self._flush([item])
+                        await asyncio.wait_for(self._flush([item]), self._timeout)
                     except Exception as item_exc:
                         _fail_all([item], item_exc)
 

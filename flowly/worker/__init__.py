@@ -301,7 +301,8 @@ class Worker:
             raise serving.exception()  # type: ignore[misc]
 
     async def _serve(self, pool: AsyncConnectionPool) -> None:
-        self._committer = GroupCommitter(pool, self._calls)
+        self._committer = GroupCommitter(pool, self._calls,
+                                         timeout=session.call_timeout(self.lease))
         self._committer.start()
         self._transactions = Transactions(
             dsn=self.dsn, calls=self._calls, pool=pool, lease=self.lease,
@@ -610,8 +611,17 @@ class Worker:
     # -- database ---------------------------------------------------------------------------
 
     async def _call(self, query: Any, params: Any) -> list[Any]:
+        """One engine call on a pooled connection. A call that does not answer within
+        ``call_timeout`` (the server bounds statements itself; this also bounds a connection
+        or a client that hangs) raises TimeoutError, an OSError: the run is abandoned, and the
+        connection, returned mid-call, is discarded by the pool."""
         assert self._pool is not None
-        async with self._pool.connection() as conn:
+        return await asyncio.wait_for(self._call_now(self._pool, query, params),
+                                      session.call_timeout(self.lease))
+
+    @staticmethod
+    async def _call_now(pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
+        async with pool.connection() as conn:
             with translated_errors():
                 cursor = await conn.execute(query, params)
                 return await cursor.fetchall() if cursor.description else []

@@ -33,6 +33,12 @@ def connection_kwargs(lease: float) -> dict[str, Any]:
     }
 
 
+def call_timeout(lease: float) -> float:
+    """How long a worker waits for one engine call, in seconds: a connection from the pool
+    (its timeout), then a statement (the server's timeout), with room to spare."""
+    return 2 * max(lease, _MIN_STATEMENT_TIMEOUT_MS / 1000) + 5
+
+
 def settings(lease: float) -> dict[str, str]:
     """Session settings (GUCs) of a worker connection, in milliseconds."""
     lease_ms = int(lease * 1000)
