@@ -62,6 +62,12 @@ select not exists (select from schema_migrations where version = 5) as apply_mig
     insert into schema_migrations (version, name) values (5, '0005_retention');
 \endif
 
+select not exists (select from schema_migrations where version = 6) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0006_schedules.sql
+    insert into schema_migrations (version, name) values (6, '0006_schedules');
+\endif
+
 select not exists (select from schema_migrations where version = 7) as apply_migration \gset
 \if :apply_migration
     \ir migrations/0007_start_trigger.sql
