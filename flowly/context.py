@@ -257,7 +257,7 @@ class Context:
         self._default_retry = default_retry
         # why steps must stop executing: 'compensate' (the saga runs) or 'dead_letter'
         self._halted: str | None = "compensate" if compensating else None
-        self.compensations: dict[str, Callable[[Any], Any]] = {}
+        self.compensations: dict[str, Callable[..., Any]] = {}
         self._names_used: set[str] = set()
         self._child_counts: dict[str, int] = {}
         # steps executing their function or checkpoint, and steps anywhere past their replay
