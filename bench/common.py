@@ -9,6 +9,7 @@ last job finished, so every engine is timed the same way, from outside.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import statistics
@@ -27,13 +28,31 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_created: dict[str, str] = {}  # database name -> the server DSN it was created through
+
+
 def fresh_database(dsn: str, name: str) -> str:
-    """Drop and create database ``name`` on the server of ``dsn``; return its DSN."""
+    """Create database ``name``_<pid> afresh on the server of ``dsn``; return its DSN.
+
+    The pid keeps two benchmarks on one shared server out of each other's databases; the
+    databases go when this process exits."""
+    name = f"{name}_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("drop database if exists {} with (force)").format(
             sql.Identifier(name)))
         conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    if not _created:
+        atexit.register(_drop_created)
+    _created[name] = dsn
     return make_conninfo(dsn, dbname=name)
+
+
+def _drop_created() -> None:
+    for name, dsn in _created.items():
+        try:
+            drop_database(dsn, name)
+        except psycopg.Error:
+            pass
 
 
 def drop_database(dsn: str, name: str) -> None:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import psycopg
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
@@ -80,6 +82,26 @@ def step_cost(dsn: str, steps: int) -> float:
     return (run.finished_at - run.started_at).total_seconds() * 1000 / steps
 
 
+def bare_checkpoint_ms(dsn: str, steps: int) -> float:
+    """Median ms of one autocommitted ``flowly.checkpoint_steps`` call writing one step of a
+    claimed run: the database's share of a sequential step, for step_cost to be read against."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("delete from flowly.runs where id = 'bench.bare'")
+        conn.execute("select flowly.start('bench.bare', run_id => 'bench.bare')")
+        row = conn.execute("select lease_epoch from flowly.claim('bench', array['bench.bare'],"
+                           " array['default'], 1, '1 hour')").fetchone()
+        assert row is not None
+        millis = []
+        for i in range(steps):
+            started = time.perf_counter()
+            conn.execute("select * from flowly.checkpoint_steps(array['bench.bare'],"
+                         " array[%s::bigint], array[%s], array['1'::jsonb], array[now()],"
+                         " array[false], array[%s])", (row[0], f"s{i}", i))
+            millis.append((time.perf_counter() - started) * 1000)
+        conn.execute("delete from flowly.runs where id = 'bench.bare'")
+    return statistics.median(millis)
+
+
 def pgqueuer_latency(server: str, runs: int) -> list[float] | None:
     try:
         import pgqueuer  # noqa: F401
@@ -115,7 +137,8 @@ def main() -> None:
     print(f"{'ms':<34} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7}")
     for name, q in rows.items():
         print(f"{name:<34} {q['p50']:>7.2f} {q['p95']:>7.2f} {q['p99']:>7.2f} {q['max']:>7.2f}")
-    print(f"{args.steps} sequential no-op steps: {step_cost(dsn, args.steps):.3f} ms per step")
+    print(f"{args.steps} sequential no-op steps: {step_cost(dsn, args.steps):.3f} ms per step;"
+          f" one checkpoint_steps call alone: {bare_checkpoint_ms(dsn, args.steps):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,9 @@ def main() -> None:
                     peer_skipped[name] = why
                     continue
                 ours, theirs = peer_rates.setdefault(name, (Sample(), Sample()))
-                d = throughput.drain(dsn, wf, size["peer_runs"], two_proc_c)
+                # flowly at its top concurrency against pgqueuer's unbounded batches
+                c = top if name == "pgqueuer" else two_proc_c
+                d = throughput.drain(dsn, wf, size["peer_runs"], c)
                 ours.add(d.rate)
                 p = peers.drain_peer(server, name, size["peer_runs"], two_proc_c,
                                      size["peer_timeout"])
@@ -188,7 +190,8 @@ def main() -> None:
     for name, (ours, theirs) in peer_rates.items():
         want, label = targets[name]
         r = ratio(ours, theirs)
-        rows.append(Row(f"flowly {pairs[name].split('.')[1]} vs peer, c={two_proc_c},"
+        c = top if name == "pgqueuer" else two_proc_c
+        rows.append(Row(f"flowly {pairs[name].split('.')[1]} vs peer, c={c},"
                         f" {size['peer_runs']:,} runs (runs/s)", ours.fmt(),
                         f"{names[name]} {theirs.fmt()}", r, label,
                         None if want is None else r >= want))
@@ -218,6 +221,9 @@ def main() -> None:
         rows.append(Row(f"{size['steps']:,} sequential no-op steps: ms per step",
                         cost.fmt(2), f"1-client commit {r:.2f} ms" if r else "",
                         cost.median / r if r else None))
+        bare = latency.bare_checkpoint_ms(dsn, size["steps"])
+        rows.append(Row("  the same steps' checkpoint_steps calls alone (ms each)",
+                        f"{bare:.2f}", "per step in the workflow", bare / cost.median))
     if "claim" not in skip:
         note(f"claim cost with {size['finished']:,} finished runs")
         m = claim_cost.measure(server, size["finished"], size["sleeping"], size["foreign"],
