@@ -25,6 +25,7 @@ from .errors import (
     WorkflowCodeError,
 )
 from .retry import Retry
+from .schedules import Schedule
 from .schema import install, install_dsn
 from .worker import Worker
 from .workflow import Workflow, workflow
@@ -48,6 +49,7 @@ __all__ = [
     "RunBusy",
     "RunNotFound",
     "RunTimeout",
+    "Schedule",
     "SchemaError",
     "SchemaNotInstalled",
     "SleepInterrupt",

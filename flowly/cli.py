@@ -529,6 +529,65 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.dsn, schema=args.schema)
 
 
+def _schedule_json(schedule: Any) -> dict[str, Any]:
+    return dataclasses.asdict(schedule)
+
+
+def cmd_schedules(args: argparse.Namespace) -> int:
+    """``schedules``: every cron schedule with its next fire time and last run."""
+    with _client(args) as client:
+        schedules = client.schedules()
+    if args.json:
+        _print_json([_schedule_json(s) for s in schedules])
+        return EXIT_OK
+    if not schedules:
+        print("no schedules")
+        return EXIT_OK
+    print(table(
+        ["NAME", "CRON", "TIMEZONE", "WORKFLOW", "NEXT FIRE", "LAST RUN", "STATE"],
+        [
+            [s.name, s.cron, s.timezone, s.workflow,
+             format_time(s.next_fire_at) if s.next_fire_at else "never",
+             s.last_run_id or "-",
+             "paused" if s.paused else ("error: " + shorten(s.last_error, 40))
+             if s.last_error else "active"]
+            for s in schedules
+        ],
+    ))
+    return EXIT_OK
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    """``schedule add|remove|pause|resume``: create, delete, pause or resume a schedule."""
+    with _client(args) as client:
+        if args.action == "remove":
+            if not client.unschedule(args.name):
+                raise CliError(f"no schedule named {args.name}")
+            if args.json:
+                _print_json({"name": args.name, "removed": True})
+            else:
+                print(f"schedule {args.name} removed (its runs stay)")
+            return EXIT_OK
+        if args.action == "add":
+            schedule = client.schedule(
+                args.name, args.cron, args.workflow, _parse_input(args.input),
+                timezone=args.timezone, queue=args.queue, priority=args.priority,
+                missed=args.missed, overlap=args.overlap, max_attempts=args.max_attempts)
+        elif args.action == "pause":
+            schedule = client.pause_schedule(args.name)
+        else:
+            schedule = client.resume_schedule(args.name)
+    if args.json:
+        _print_json(_schedule_json(schedule))
+        return EXIT_OK
+    state = "paused" if schedule.paused else (
+        f"next fire {format_time(schedule.next_fire_at)}" if schedule.next_fire_at
+        else "it fires no more")
+    print(f"schedule {schedule.name}: {schedule.workflow} at {schedule.cron!r}"
+          f" ({schedule.timezone}); {state}")
+    return EXIT_OK
+
+
 # -- parser -----------------------------------------------------------------------------------
 
 
@@ -647,6 +706,37 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one frame and exit (with --json: the frame as JSON)")
     top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (1)")
+    add("schedules", cmd_schedules, "list the cron schedules with their next fire times")
+    sched = add("schedule", cmd_schedule, "add, remove, pause or resume a cron schedule")
+    actions = sched.add_subparsers(dest="action", metavar="ACTION", required=True,
+                                   parser_class=_Parser)
+    sched_add = actions.add_parser(
+        "add", parents=[common], help="create or replace a schedule (by name)",
+        description="create or replace a schedule (by name): a run of WORKFLOW at every fire"
+                    " time of CRON (five fields, or @hourly, @daily, @weekly, @monthly,"
+                    " @yearly)")
+    sched_add.add_argument("name", metavar="NAME")
+    sched_add.add_argument("cron", metavar="CRON", help="e.g. '0 9 * * MON-FRI' or @daily")
+    sched_add.add_argument("workflow", metavar="WORKFLOW")
+    sched_add.add_argument("input", metavar="INPUT_JSON", nargs="?",
+                           help="each run's input as JSON ('-' reads standard input)")
+    sched_add.add_argument("--timezone", default="UTC",
+                           help="IANA zone the expression is read in (UTC)")
+    sched_add.add_argument("--queue", help="queue (default: default)")
+    sched_add.add_argument("--priority", type=int, default=0, help="higher runs first (0)")
+    sched_add.add_argument("--missed", choices=["skip", "run_once"], default="skip",
+                           help="fire times missed while no worker ran: skip them (default)"
+                                " or start one run for them all")
+    sched_add.add_argument("--overlap", choices=["allow", "skip"], default="allow",
+                           help="skip a fire time while the previous run is unfinished (skip)"
+                                " or not (allow, default)")
+    sched_add.add_argument("--max-attempts", type=int,
+                           help="attempts of each run if its body fails (default 3)")
+    for action, what in (("remove", "delete a schedule (its runs stay)"),
+                         ("pause", "stop firing a schedule until resumed"),
+                         ("resume", "fire a paused schedule again, from now on")):
+        actions.add_parser(action, parents=[common], help=what, description=what
+                           ).add_argument("name", metavar="NAME")
     embedded = add("embedded", cmd_embedded,
                    "status or stop of the project's embedded PostgreSQL (used without a DSN)")
     embedded.add_argument("action", choices=["status", "stop"])

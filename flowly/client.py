@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 
 from .db import TERMINAL, Calls, check_schema_name, dumps, translated_errors
 from .errors import InvalidArgument, RunNotFound, RunTimeout
+from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
 from .workflow import WorkflowFn, lookup, start_params
 
 logger = logging.getLogger(__name__)
@@ -406,6 +407,51 @@ class Client:
         """Runs in ``dead_letter``, newest first."""
         return self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
 
+    # -- cron schedules (flowly.schedules) ------------------------------------------------------
+
+    def schedule(
+        self, name: str, cron: str, workflow: str | WorkflowFn, input: Any = None, *,
+        timezone: str = "UTC", queue: str | None = None, priority: int = 0,
+        missed: str = "skip", overlap: str = "allow", max_attempts: int | None = None,
+    ) -> Schedule:
+        """Create or replace (by name) a schedule that starts ``workflow`` with ``input`` at
+        every fire time of ``cron`` (five fields or a macro such as ``@daily``) in
+        ``timezone`` (an IANA name). ``missed``: ``skip`` or ``run_once`` (fire times the
+        workers were down for); ``overlap``: ``allow`` or ``skip`` (a fire time while the
+        previous run is unfinished). A bad expression or zone raises :class:`InvalidArgument`
+        naming it. Queue and max_attempts default to the workflow's registration."""
+        params = schedule_params(name, cron, workflow, input, timezone=timezone, queue=queue,
+                                 priority=priority, missed=missed, overlap=overlap,
+                                 max_attempts=max_attempts)
+        return to_schedule(self._fetch(self._schedule_calls.schedule, params)[0])
+
+    def unschedule(self, name: str) -> bool:
+        """Delete a schedule (its runs stay); whether there was one."""
+        return bool(self._fetch(self._schedule_calls.unschedule, (name,))[0]["removed"])
+
+    def pause_schedule(self, name: str) -> Schedule:
+        """Stop firing a schedule until :meth:`resume_schedule`."""
+        return to_schedule(self._fetch(self._schedule_calls.pause, (name,))[0])
+
+    def resume_schedule(self, name: str) -> Schedule:
+        """Fire a paused schedule again, from its next fire time after now."""
+        return to_schedule(self._fetch(self._schedule_calls.resume, (name,))[0])
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        return [to_schedule(row) for row in self._fetch(self._schedule_calls.list, None)]
+
+    def cron_next(self, cron: str, after: datetime | None = None,
+                  timezone: str = "UTC") -> datetime | None:
+        """The first fire time of ``cron`` in ``timezone`` strictly after ``after`` (default:
+        now), as the schedules compute it."""
+        rows = self._fetch(self._schedule_calls.cron_next, (cron, after, timezone))
+        return rows[0]["fire_at"]  # type: ignore[no-any-return]
+
+    @property
+    def _schedule_calls(self) -> ScheduleCalls:
+        return ScheduleCalls(self.calls.schema)
+
 
 class AsyncClient:
     """The asyncio twin of :class:`Client`."""
@@ -554,6 +600,44 @@ class AsyncClient:
     async def dead_letters(self, *, workflow: str | None = None, limit: int = 100) -> list[Run]:
         """See :meth:`Client.dead_letters`."""
         return await self.list_runs(status="dead_letter", workflow=workflow, limit=limit)
+
+    async def schedule(
+        self, name: str, cron: str, workflow: str | WorkflowFn, input: Any = None, *,
+        timezone: str = "UTC", queue: str | None = None, priority: int = 0,
+        missed: str = "skip", overlap: str = "allow", max_attempts: int | None = None,
+    ) -> Schedule:
+        """See :meth:`Client.schedule`."""
+        params = schedule_params(name, cron, workflow, input, timezone=timezone, queue=queue,
+                                 priority=priority, missed=missed, overlap=overlap,
+                                 max_attempts=max_attempts)
+        return to_schedule((await self._fetch(self._schedule_calls.schedule, params))[0])
+
+    async def unschedule(self, name: str) -> bool:
+        """See :meth:`Client.unschedule`."""
+        rows = await self._fetch(self._schedule_calls.unschedule, (name,))
+        return bool(rows[0]["removed"])
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        """See :meth:`Client.pause_schedule`."""
+        return to_schedule((await self._fetch(self._schedule_calls.pause, (name,)))[0])
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        """See :meth:`Client.resume_schedule`."""
+        return to_schedule((await self._fetch(self._schedule_calls.resume, (name,)))[0])
+
+    async def schedules(self) -> list[Schedule]:
+        """See :meth:`Client.schedules`."""
+        return [to_schedule(r) for r in await self._fetch(self._schedule_calls.list, None)]
+
+    async def cron_next(self, cron: str, after: datetime | None = None,
+                        timezone: str = "UTC") -> datetime | None:
+        """See :meth:`Client.cron_next`."""
+        rows = await self._fetch(self._schedule_calls.cron_next, (cron, after, timezone))
+        return rows[0]["fire_at"]  # type: ignore[no-any-return]
+
+    @property
+    def _schedule_calls(self) -> ScheduleCalls:
+        return ScheduleCalls(self.calls.schema)
 
 
 __all__ = ["AsyncClient", "Client", "Run", "Step", "StepAttempt", "Timer", "list_runs_query",

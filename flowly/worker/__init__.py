@@ -47,6 +47,7 @@ from ..errors import LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
+from ..schedules import tick_statement
 from ..schema import install_dsn
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
@@ -331,6 +332,8 @@ class Worker:
             if self.purge_after is not None:
                 background.append(asyncio.create_task(
                     self._purge_loop(timedelta(seconds=self.purge_after)), name="flowly-purge"))
+            background.append(asyncio.create_task(self._tick_schedules(),
+                                                  name="flowly-schedules"))
             await self._claim_loop()
             await self._drain()
         finally:
@@ -454,6 +457,20 @@ class Worker:
             except Exception as exc:  # the next round may get through
                 logger.warning("purging finished runs failed: %s", exc)
             await asyncio.sleep(_PURGE_EVERY)
+
+    async def _tick_schedules(self) -> None:
+        """Start the runs of due cron schedules about every poll_interval. Any worker may:
+        tick_schedules takes each schedule with skip locked and names each run after its fire
+        time, so workers ticking at once never start a fire time twice."""
+        tick = tick_statement(self._calls.schema)
+        while True:
+            try:
+                for name, fire_at, _run_id, outcome in await self._call(tick, None):
+                    logger.log(logging.WARNING if outcome == "error" else logging.INFO,
+                               "schedule %s, fire time %s: %s", name, fire_at, outcome)
+            except Exception as exc:  # the next tick may get through
+                logger.warning("ticking the cron schedules failed: %s", exc)
+            await asyncio.sleep(self.poll_interval)
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]

@@ -1,0 +1,103 @@
+"""Cron schedules: start a workflow at every fire time of a cron expression in a time zone.
+
+The schedules live in the ``schedules`` table and are parsed, advanced and fired in PL/pgSQL
+(``sql/migrations/0006_schedules.sql``): ``schedule``, ``unschedule``, ``pause_schedule``,
+``resume_schedule``, ``cron_next`` and ``tick_schedules``, which every worker calls about every
+poll interval. This module only names those calls for a schema and maps their rows;
+:class:`flowly.Client` and :class:`flowly.AsyncClient` expose them as methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+from psycopg import sql
+
+from .db import check_schema_name, dumps
+from .errors import InvalidArgument
+from .workflow import WorkflowFn, lookup
+
+MISSED = ("skip", "run_once")
+OVERLAP = ("allow", "skip")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule as stored in ``schedules``."""
+
+    name: str
+    cron: str
+    timezone: str
+    workflow: str
+    input: Any
+    queue: str
+    priority: int
+    max_attempts: int
+    missed: str
+    overlap: str
+    paused: bool
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+    last_run_id: str | None
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+def to_schedule(row: dict[str, Any]) -> Schedule:
+    return Schedule(**{f.name: row[f.name] for f in fields(Schedule)})
+
+
+class ScheduleCalls:
+    """The schedule functions of one schema, ready to execute."""
+
+    def __init__(self, schema: str) -> None:
+        s = sql.Identifier(check_schema_name(schema))
+        self.schedule = sql.SQL(
+            "select * from {s}.schedule(name => %(name)s, cron => %(cron)s,"
+            " workflow => %(workflow)s, input => %(input)s::jsonb, timezone => %(timezone)s,"
+            " queue => %(queue)s, priority => %(priority)s, missed => %(missed)s,"
+            " overlap => %(overlap)s, max_attempts => %(max_attempts)s)").format(s=s)
+        self.unschedule = sql.SQL("select {s}.unschedule(%s) as removed").format(s=s)
+        self.pause = sql.SQL("select * from {s}.pause_schedule(%s)").format(s=s)
+        self.resume = sql.SQL("select * from {s}.resume_schedule(%s)").format(s=s)
+        self.list = sql.SQL("select * from {s}.schedules order by name").format(s=s)
+        self.cron_next = sql.SQL(
+            "select {s}.cron_next(%s, coalesce(%s::timestamptz, now()), %s) as fire_at"
+        ).format(s=s)
+
+
+def tick_statement(schema: str) -> sql.Composed:
+    """``tick_schedules()`` of ``schema``: starts the runs of the due schedules (any worker
+    may call it at any time; the SQL takes each schedule with skip locked)."""
+    return sql.SQL("select * from {}.tick_schedules()").format(
+        sql.Identifier(check_schema_name(schema)))
+
+
+def schedule_params(
+    name: str, cron: str, workflow: str | WorkflowFn, input: Any, *, timezone: str,
+    queue: str | None, priority: int, missed: str, overlap: str, max_attempts: int | None,
+) -> dict[str, Any]:
+    """Named parameters for ``schedule``: a workflow given by name or decorated function
+    (whose registration gives the default queue and max_attempts); the SQL validates the
+    rest (the expression, the zone, the names) and says which is wrong."""
+    workflow_name, defaults = lookup(workflow)
+    try:
+        payload = dumps(input)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(
+            f"input of schedule {name!r} is not JSON serialisable: {exc}") from exc
+    return {
+        "name": name, "cron": cron, "workflow": workflow_name, "input": payload,
+        "timezone": timezone,
+        "queue": queue if queue is not None else (defaults.queue if defaults else "default"),
+        "priority": priority, "missed": missed, "overlap": overlap,
+        "max_attempts": max_attempts if max_attempts is not None
+        else (defaults.max_attempts if defaults else 3),
+    }
+
+
+__all__ = ["MISSED", "OVERLAP", "Schedule", "ScheduleCalls", "schedule_params",
+           "tick_statement", "to_schedule"]
