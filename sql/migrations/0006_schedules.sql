@@ -81,7 +81,7 @@ language plpgsql immutable
 set search_path from current
 as $$
 begin
-    raise exception 'bad % "%" in cron expression "%": expected %', 
+    raise exception 'bad % "%" in cron expression "%": expected %',
         (array['minute', 'hour', 'day-of-month', 'month', 'day-of-week'])[p_field + 1],
         p_text, p_cron,
         (array['0-59', '0-23', '1-31', '1-12 or JAN-DEC', '0-7 (0 and 7 are Sunday) or SUN-SAT']
@@ -593,7 +593,7 @@ begin
 end
 $$;
 
--- Fires the due schedules (at most p_limit of them, soonest first; each handles at most ten
+-- Fires the due schedules (at most `batch` of them, soonest first; each handles at most ten
 -- fire times per call): takes each with skip locked, so workers ticking at once share the work
 -- and never wait, and for each due fire time starts a run through start() named
 -- schedule_run_id(schedule, fire time), so no fire time starts twice. A fire time more than
@@ -604,7 +604,7 @@ $$;
 -- the tz database, say) is recorded in its last_error, and leaves the others firing. Returns
 -- one row per fire time handled: outcome started, caught_up (run_once), already_started (its
 -- run was there), missed, overlap or error.
-create function tick_schedules(p_limit integer default 100)
+create function tick_schedules(batch integer default 100)
 returns table (schedule text, fire_at timestamptz, run_id text, outcome text)
 language plpgsql
 set search_path from current
@@ -625,7 +625,7 @@ begin
         select * from schedules s
         where not s.paused and s.next_fire_at <= now()
         order by s.next_fire_at
-        limit greatest(p_limit, 0)
+        limit greatest(tick_schedules.batch, 0)
         for update skip locked
     loop
         v_slots := '{}';
