@@ -126,7 +126,7 @@ class WorkerProc:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
         command = [sys.executable, "-m", "flowly.worker", "--app", APP, "--lease", str(lease),
                    "--poll-interval", "0.2", "--drain-timeout", "2", "--concurrency", "8",
-                   "--max-connections", "3"]
+                   "--max-connections", "4"]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT,
@@ -141,6 +141,13 @@ class WorkerProc:
     def signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
+
+    def served(self) -> bool:
+        """Whether it got as far as serving runs (its start-up log line)."""
+        try:
+            return " serving " in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -279,9 +286,10 @@ class Chaos:
             if worker.killed:
                 self.figures.exits_ours += 1
             else:
+                when = "while serving" if worker.served() else "before serving (start-up)"
                 self.figures.exits_other.append(
-                    f"worker {worker.label} (pid {worker.pid}) exited by itself with status"
-                    f" {code}; its log ends:\n{worker.tail()}")
+                    f"worker {worker.label} (pid {worker.pid}) exited by itself {when} with"
+                    f" status {code}; its log ends:\n{worker.tail()}")
                 self.event(f"worker {worker.label} (pid {worker.pid}) exited by itself ({code})")
             self.respawn_at.append(time.monotonic() + self.rng.uniform(0.2, 1.5))
         now = time.monotonic()
@@ -867,9 +875,10 @@ def inject_faults(chaos: Chaos) -> dict[str, str]:
 
 
 def _exit_causes(exits: list[str]) -> str:
-    """How many of the workers' own exits were a start while the server was down."""
-    at_start = sum("cannot connect to the database" in text for text in exits)
-    return f" ({at_start} at start: server down)" if at_start else ""
+    """How many of the workers' own exits came at start-up, with the server down."""
+    at_start = sum("before serving" in text and "cannot connect to the database" in text
+                   for text in exits)
+    return f" ({at_start} at start-up, the server down)" if at_start else ""
 
 
 def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
