@@ -52,6 +52,7 @@ import itertools
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -874,6 +875,33 @@ def inject_faults(chaos: Chaos) -> dict[str, str]:
 # -- reporting --------------------------------------------------------------------------------
 
 
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d ")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")
+
+
+def logged_errors(chaos: Chaos) -> Counter[str]:
+    """The ERROR lines of the worker logs, by message (the first exception line of the
+    traceback that follows, if any): not invariants, but what the engine calls a failure."""
+    found: Counter[str] = Counter()
+    for worker in chaos.retired + chaos.workers:
+        try:
+            lines = worker.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for i, line in enumerate(lines):
+            if " ERROR " not in line or not _LOG_LINE.match(line):
+                continue
+            cause = re.sub(r"chaos-\w+-\d+\S*", "RUN", line.split(" ERROR ", 1)[1])
+            for later in lines[i + 1:]:
+                if _LOG_LINE.match(later):
+                    break
+                if _EXCEPTION_LINE.match(later):
+                    cause = f"{cause} <- {later}"
+                    break
+            found[cause[:300]] += 1
+    return found
+
+
 def _exit_causes(exits: list[str]) -> str:
     """How many of the workers' own exits came at start-up, with the server down."""
     at_start = sum("before serving" in text and "cannot connect to the database" in text
@@ -894,11 +922,14 @@ def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
           f" {sum(f.restarts.values())} (fast {f.restarts['fast']},"
           f" immediate {f.restarts['immediate']}), terminated connections {f.terminated}")
     c = res.counts
+    errors = logged_errors(chaos)
     print(f"executions      {c['executions']} recorded; re-executions before the checkpoint"
           f" (at-least-once) {c['re-executions before the checkpoint']}; fenced executions"
           f" after it {c['fenced executions after the checkpoint']}")
     print(f"workers         {f.spawned} started, {f.exits_ours} SIGKILLed by us,"
           f" {len(f.exits_other)} exits otherwise{_exit_causes(f.exits_other)}")
+    print(f"worker errors   {sum(errors.values())} ERROR lines in the worker logs"
+          + "".join(f"\n                {n}x {text}" for text, n in errors.most_common(5)))
     checks = ["lost", "stuck", "duplicated", "innocent dead letters", "wrong final state",
               "fencing breaches", "inexact replay", "wrong children", "wrong events",
               "unexpected", "lost runs"]
