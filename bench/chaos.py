@@ -13,7 +13,7 @@ transactional steps, waits for events it sends, and ``ctx.run`` of children, som
 while it
 
 - SIGKILLs workers (and starts replacements),
-- SIGSTOPs workers for longer than their lease, then SIGCONTs them,
+- SIGSTOPs workers (mostly for longer than their lease), then SIGCONTs them,
 - terminates worker connections (``pg_terminate_backend``),
 - restarts the server (``pg_ctl stop -m fast`` or ``-m immediate``, a pause, a start).
 
@@ -37,8 +37,10 @@ execution recorded itself with its lease epoch and the server's clock):
 - a transactional step's SQL committed exactly once, with its checkpoint;
 - an event wait returned the payload sent, or timed out when none was sent.
 
-It prints the figures and exits 1 if an invariant failed, naming the runs (with their
-executions, checkpoints, the chaos around them and their lines in the worker logs). Workers,
+It prints the figures (and the ERROR lines of the worker logs, by cause) and exits 1 if an
+invariant failed, naming the runs (with their executions, checkpoints, the chaos around them
+and their lines in the worker logs); ``--inject-faults`` breaks each invariant once in the
+tables before checking, to show the checks catch them. Workers,
 server and temporary directory are cleaned up however it ends (``--keep`` keeps the directory:
 worker logs, the server log and the stopped cluster).
 """
