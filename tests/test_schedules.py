@@ -117,7 +117,7 @@ def test_bad_schedules_are_refused(db: psycopg.Connection[Any], options: dict[st
 # --- firing ----------------------------------------------------------------------------------
 
 def test_a_due_slot_starts_one_run_named_after_it(db: psycopg.Connection[Any]) -> None:
-    schedule(db, "report", "0 9 * * *", input='{"n": 1}', queue="reports", priority=3)
+    schedule(db, "report", "0 0 1 1 *", input='{"n": 1}', queue="reports", priority=3)
     assert tick(db) == []  # nothing due yet
     slot = set_next(db, "report", "date_trunc('second', now()) - interval '10 seconds'")
     fired = tick(db)
@@ -127,7 +127,7 @@ def test_a_due_slot_starts_one_run_named_after_it(db: psycopg.Connection[Any]) -
     assert run == ("quick", {"n": 1}, "reports", 3, slot, "pending")
     row = db.execute("select next_fire_at, last_fire_at, last_run_id from flowly.schedules"
                      ).fetchone()
-    assert row == (scalar(db, "select flowly.cron_next('0 9 * * *', %s, 'UTC')", slot), slot,
+    assert row == (scalar(db, "select flowly.cron_next('0 0 1 1 *', %s, 'UTC')", slot), slot,
                    fired[0][2])
     assert tick(db) == []  # fired once
     # a manual re-tick of the same slot (the row put back by hand, a restored backup) finds
