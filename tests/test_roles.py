@@ -32,7 +32,8 @@ def roles(dsn: str, db: psycopg.Connection[Any]) -> Iterator[tuple[str, str]]:
     for role, login in logins.items():
         db.execute(sql.SQL("create role {} login in role {}").format(
             sql.Identifier(login), sql.Identifier(role)))
-    db.execute("grant insert, select on public.test_effects to {}".format(logins[WORKER]))
+    db.execute(sql.SQL("grant insert, select on public.test_effects to {}").format(
+        sql.Identifier(logins[WORKER])))
     try:
         yield (make_conninfo(dsn, user=logins[WORKER]), make_conninfo(dsn, user=logins[READER]))
     finally:

@@ -136,10 +136,10 @@ def test_client_wait_returns_when_the_run_finishes_not_at_the_next_poll(
         for _ in range(3):
             run_id = client.start("slow", {"seconds": 1.5})
             if asynchronous:
-                async def wait() -> flowly.Run:
+                async def wait(run_id: str) -> flowly.Run:
                     async with flowly.AsyncClient(dsn) as aclient:
                         return await aclient.wait(run_id, timeout=30)
-                run = asyncio.run(wait())
+                run = asyncio.run(wait(run_id))
             else:
                 run = client.wait(run_id, timeout=30)
             returned = datetime.now(UTC)
