@@ -181,6 +181,16 @@ def test_one_insert_of_1000_rows_starts_1000_runs_with_one_wakeup(
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_an_insert_of_no_rows_starts_nothing_and_wakes_nobody(db: psycopg.Connection[Any],
+                                                              level: str) -> None:
+    db.execute("create table orders (id int primary key)")
+    create_trigger(db, "orders", level, "process-order", "id")
+    db.execute("listen flowly_wakeup")
+    db.execute("insert into orders select g from generate_series(1, 10) g where false")
+    assert run_ids(db) == [] and notifications(db) == []
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_reinserting_the_same_keys_starts_nothing(db: psycopg.Connection[Any],
                                                   level: str) -> None:
     """Deleting the rows and inserting them again (a replayed or re-fired trigger) while their
