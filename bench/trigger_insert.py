@@ -4,7 +4,7 @@ and with the hand-written row trigger the README used to show (``perform flowly.
 per row), side by side as rows/s and as a ratio to the table with no trigger; and, for
 reference, the floor: the same 10,000 runs inserted straight into flowly's runs table.
 
-flowly goes into a schema of its own and the tables into another (both dropped afterwards);
+A fresh database of its own (dropped at exit), flowly in one schema and the tables in another;
 the variants are measured in turns, each figure the median of ``--rounds`` INSERTs (each
 committed, its runs then truncated), so all of them see the same machine.
 
@@ -28,6 +28,7 @@ from psycopg import sql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
+from bench.common import fresh_database
 from flowly.config import resolve_dsn
 
 SCHEMA, APP = "flowly_bench_trigger", "flowly_bench_trigger_app"
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    dsn = resolve_dsn(args.dsn)
+    dsn = fresh_database(resolve_dsn(args.dsn), "flowly_bench_trigger")
     with psycopg.connect(dsn, autocommit=True) as conn:
         try:
             tables = setup(conn)
