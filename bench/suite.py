@@ -111,6 +111,7 @@ def main() -> None:
     commits = {1: Sample(), 16: Sample()}
     rates: dict[tuple[str, int, int], Sample] = {}
     max_conns: dict[int, int] = {}
+    busy: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     peer_rates: dict[str, tuple[Sample, Sample]] = {}
     peer_skipped: dict[str, str] = {}
     pairs = {"dbos": "bench.three_async", "absurd": "bench.three_sync",
@@ -135,7 +136,9 @@ def main() -> None:
                 rates.setdefault((wf, c, procs), Sample()).add(d.rate)
                 if procs == 1 and wf == "bench.three_async":
                     max_conns[c] = max(max_conns.get(c, 0), d.max_connections)
-                note(f"{wf} c={c} x{procs}: {d.rate:.0f} runs/s, {d.max_connections} conns")
+                busy.setdefault((wf, c, procs), []).append((d.worker_cores, d.machine_busy))
+                note(f"{wf} c={c} x{procs}: {d.rate:.0f} runs/s, {d.max_connections} conns,"
+                     f" worker CPU {d.worker_cores:.2f} cores, machine {d.machine_busy:.0%}")
         if "peers" not in skip:
             for name, wf in pairs.items():
                 why = peers.available(name)
@@ -179,6 +182,13 @@ def main() -> None:
         rows.append(Row(f"3-step async, 2 worker processes, c={two_proc_c} each", two.fmt(),
                         "1 process", ratio(two, one), ">= 1.5 with DB headroom",
                         ratio(two, one) >= 1.5))
+        for procs in (1, 2):
+            cores = statistics.median(b[0] for b in busy[("bench.three_async", two_proc_c, procs)])
+            machine_busy = statistics.median(
+                b[1] for b in busy[("bench.three_async", two_proc_c, procs)])
+            rows.append(Row(f"  CPU during the {procs}-process drain",
+                            f"workers {cores:.2f} cores",
+                            f"machine {machine_busy:.0%} busy of {os.cpu_count()} cores"))
         rows.append(Row(f"1-step async, c={two_proc_c} (runs/s)",
                         rates[("bench.one_async", two_proc_c, 1)].fmt()))
         rows.append(Row(f"connections held by one worker, c={top}", str(max_conns.get(top, 0)),

@@ -40,6 +40,8 @@ class Drain:
     done: bool
     max_connections: int = 0
     rss: list[tuple[int, int]] = field(default_factory=list)  # (completed runs, bytes)
+    worker_cores: float = 0.0  # CPU the worker processes used, in cores
+    machine_busy: float = 0.0  # the whole machine's CPU use, 0..1 (the server's share too)
 
     @property
     def rate(self) -> float:
@@ -72,6 +74,9 @@ def drain(dsn: str, workflow: str, runs: int, concurrency: int, processes: int =
         result = Drain(runs, 0.0, False)
         last_rss = 0.0
 
+        procs = [psutil.Process(child.pid) for child in children]
+        cpu_before = [sum(p.cpu_times()[:2]) for p in procs]
+        psutil.cpu_percent()  # starts the machine-wide interval
         with psycopg.connect(dsn, autocommit=True) as conn:
             started = time.perf_counter()
             for child in children:
@@ -97,6 +102,11 @@ def drain(dsn: str, workflow: str, runs: int, concurrency: int, processes: int =
                                        watched.memory_info().rss))
                 time.sleep(0.02)
             result.seconds = now - started
+            result.machine_busy = psutil.cpu_percent() / 100
+            result.worker_cores = sum(
+                sum(p.cpu_times()[:2]) - before for p, before in zip(procs, cpu_before,
+                                                                      strict=True)
+            ) / result.seconds
             if not result.done:
                 row = conn.execute("select count(*) from flowly.runs"
                                    " where status = 'completed'").fetchone()
@@ -129,13 +139,13 @@ def main() -> None:
     dsn = fresh_database(resolve_dsn(args.dsn), "flowly_bench")
     prepare(dsn)
     print(f"{'workflow':>18} {'procs':>5} {'concurrency':>11} {'runs':>6} {'seconds':>8}"
-          f" {'runs/s':>8} {'steps/s':>8} {'conns':>5}")
+          f" {'runs/s':>8} {'steps/s':>8} {'conns':>5} {'worker CPU':>10} {'machine':>7}")
     for workflow in args.workflow:
         for concurrency in args.concurrency:
             d = drain(dsn, workflow, args.runs, concurrency, args.processes)
             print(f"{workflow:>18} {args.processes:>5} {concurrency:>11} {d.runs:>6}"
                   f" {d.seconds:>8.2f} {d.rate:>8.0f} {STEPS[workflow] * d.rate:>8.0f}"
-                  f" {d.max_connections:>5}")
+                  f" {d.max_connections:>5} {d.worker_cores:>10.2f} {d.machine_busy:>7.0%}")
 
 
 if __name__ == "__main__":
