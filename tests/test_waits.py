@@ -111,7 +111,8 @@ def test_fan_out_and_in_with_one_failing_child(
 
 
 def test_cancelling_a_parent_cancels_its_unfinished_children(
-    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     run_id = client.start("runs_a_child", {"seconds": 30})
     with running_worker(dsn):
@@ -120,6 +121,8 @@ def test_cancelling_a_parent_cancels_its_unfinished_children(
         wait_for(lambda: client.get(child).status == "running", what="child running")
         assert client.cancel(run_id) == "cancelled"
         assert client.wait(child, timeout=10).status == "cancelled"
+    # parking on a wait without a timeout (due never) is no error
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

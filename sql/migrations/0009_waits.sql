@@ -157,7 +157,7 @@ $$;
 -- Releases a run whose body stopped at waits (p_steps, the waits this execution reached;
 -- others are forgotten): due now if one of them is already satisfied (an event arrived or a
 -- run finished since it was registered), else at the earliest timeout, else never (until a
--- waker makes it due).
+-- waker makes it due). Returns when it is due, null for never.
 create function park(p_run_id text, p_epoch bigint, p_steps text[]) returns timestamptz
 language plpgsql
 set search_path from current
@@ -185,7 +185,7 @@ begin
         where w.run_id = p_run_id;
     end if;
     perform release_held_run(p_run_id, v_due);
-    return v_due;
+    return nullif(v_due, 'infinity');
 end
 $$;
 
