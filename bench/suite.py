@@ -255,6 +255,11 @@ def main() -> None:
         late = statistics.median([rss for n, rss in samples
                                   if n >= size["memory_runs"] * 9 // 10] or [samples[-1][1]])
         peak = max(rss for _, rss in samples)
+        short = rates.get(("bench.three_async", 64, 1))
+        rows.append(Row(f"3-step async, c=64, over those {size['memory_runs']:,} runs (runs/s)",
+                        f"{d.rate:,.0f}", f"{size['runs']:,} runs {short.fmt()}" if short else "",
+                        ratio(d.rate, short) if short else None,
+                        "about 1 (cost per run independent of backlog)"))
         rows.append(Row(f"worker RSS over {size['memory_runs']:,} runs, last tenth (MiB)",
                         f"{late / 2**20:.1f} (peak {peak / 2**20:.1f})",
                         f"first tenth {early / 2**20:.1f}", late / early, "flat (<= 1.10)",
