@@ -94,7 +94,7 @@ def test_fan_out_and_in_with_one_failing_child(
 ) -> None:
     """20 children started and awaited with asyncio.gather; child 7 fails and is caught as
     ChildFailed; the parent holds no lease while it waits; a worker is SIGKILLed meanwhile."""
-    run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 0.3})
+    run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 1.0})
     with worker_process(dsn, "--lease", "1", "--concurrency", "8") as first:
         wait_for(lambda: scalar(db, "select count(*) = 20 from flowly.runs"
                                     " where parent_run_id = %s", run_id), what="20 children")
@@ -117,6 +117,7 @@ def test_cancelling_a_parent_cancels_its_unfinished_children(
     run_id = client.start("runs_a_child", {"seconds": 30})
     with running_worker(dsn):
         wait_for(lambda: _parked(db, run_id), what="the parent waiting for its child")
+        assert client.get(run_id).status == "pending"  # a run parked for good is readable
         child = scalar(db, "select id from flowly.runs where parent_run_id = %s", run_id)
         wait_for(lambda: client.get(child).status == "running", what="child running")
         assert client.cancel(run_id) == "cancelled"

@@ -157,7 +157,8 @@ $$;
 -- Releases a run whose body stopped at waits (p_steps, the waits this execution reached;
 -- others are forgotten): due now if one of them is already satisfied (an event arrived or a
 -- run finished since it was registered), else at the earliest timeout, else never (until a
--- waker makes it due). Returns when it is due, null for never.
+-- waker makes it due; scheduled_for shows 9999-12-31 meanwhile). Returns when it is due, null
+-- for never.
 create function park(p_run_id text, p_epoch bigint, p_steps text[]) returns timestamptz
 language plpgsql
 set search_path from current
@@ -181,11 +182,13 @@ begin
                          and t.status in ('completed', 'dead_letter', 'cancelled'))))) then
         v_due := now();
     else
-        select coalesce(min(w.timeout_at), 'infinity') into v_due from waits w
+        -- "never" is the last day clients can read ('infinity' would break every reader)
+        select coalesce(min(w.timeout_at), timestamptz '9999-12-31 00:00:00+00') into v_due
+        from waits w
         where w.run_id = p_run_id;
     end if;
     perform release_held_run(p_run_id, v_due);
-    return nullif(v_due, 'infinity');
+    return nullif(v_due, timestamptz '9999-12-31 00:00:00+00');
 end
 $$;
 
