@@ -246,7 +246,7 @@ def main() -> None:
                         m["long"] / m["fresh"]))
     if "memory" not in skip:
         note(f"worker memory over {size['memory_runs']:,} runs")
-        d = throughput.drain(dsn, "bench.three_async", size["memory_runs"], 64,
+        d = throughput.drain(dsn, "bench.three_async", size["memory_runs"], two_proc_c,
                              sample_rss=True, timeout=3600)
         samples = [(n, rss) for n, rss in d.rss if n > 0]
         tenth = [rss for n, rss in samples if n <= size["memory_runs"] // 10] or \
@@ -255,8 +255,9 @@ def main() -> None:
         late = statistics.median([rss for n, rss in samples
                                   if n >= size["memory_runs"] * 9 // 10] or [samples[-1][1]])
         peak = max(rss for _, rss in samples)
-        short = rates.get(("bench.three_async", 64, 1))
-        rows.append(Row(f"3-step async, c=64, over those {size['memory_runs']:,} runs (runs/s)",
+        short = rates.get(("bench.three_async", two_proc_c, 1))
+        rows.append(Row(f"3-step async, c={two_proc_c}, over those {size['memory_runs']:,} runs"
+                        " (runs/s)",
                         f"{d.rate:,.0f}", f"{size['runs']:,} runs {short.fmt()}" if short else "",
                         ratio(d.rate, short) if short else None,
                         "about 1 (cost per run independent of backlog)"))
