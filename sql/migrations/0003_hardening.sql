@@ -163,6 +163,31 @@ begin
 end
 $$;
 
+-- The fence check of a run the caller tried to lock (p_locked: whether it got the row):
+-- raises WF005 if another transaction holds the row, WF002 if there is no such run, WF001 if
+-- the fencing token p_epoch is stale or the status is not one of p_statuses; else returns it.
+create function check_fence(
+    p_run_id text, p_epoch bigint, p_statuses text[], p_run runs, p_locked boolean
+) returns runs
+language plpgsql
+set search_path from current
+as $$
+begin
+    if not p_locked then
+        if exists (select from runs r where r.id = p_run_id) then
+            raise exception 'run % is busy: another transaction holds its row; try again',
+                p_run_id using errcode = 'WF005';
+        end if;
+        raise exception 'run % not found', p_run_id using errcode = 'WF002';
+    end if;
+    if p_run.lease_epoch <> p_epoch or p_run.status <> all(p_statuses) then
+        raise exception 'lease lost on run %: fencing token % is stale (run is % at epoch %)',
+            p_run_id, p_epoch, p_run.status, p_run.lease_epoch using errcode = 'WF001';
+    end if;
+    return p_run;
+end
+$$;
+
 -- Locks a run the caller holds, or raises WF001 if its fencing token is stale, WF002 if the run
 -- does not exist, WF005 if another transaction holds its row (never waits for it).
 create or replace function lock_held_run(p_run_id text, p_epoch bigint, p_statuses text[])
@@ -174,18 +199,7 @@ declare
     v_run runs;
 begin
     select * into v_run from runs r where r.id = p_run_id for update skip locked;
-    if not found then
-        if exists (select from runs r where r.id = p_run_id) then
-            raise exception 'run % is busy: another transaction holds its row; try again',
-                p_run_id using errcode = 'WF005';
-        end if;
-        raise exception 'run % not found', p_run_id using errcode = 'WF002';
-    end if;
-    if v_run.lease_epoch <> p_epoch or v_run.status <> all(p_statuses) then
-        raise exception 'lease lost on run %: fencing token % is stale (run is % at epoch %)',
-            p_run_id, p_epoch, v_run.status, v_run.lease_epoch using errcode = 'WF001';
-    end if;
-    return v_run;
+    return check_fence(p_run_id, p_epoch, p_statuses, v_run, found);
 end
 $$;
 

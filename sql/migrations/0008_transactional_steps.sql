@@ -28,18 +28,7 @@ declare
     v_run runs;
 begin
     select * into v_run from runs r where r.id = p_run_id for key share skip locked;
-    if not found then
-        if exists (select from runs r where r.id = p_run_id) then
-            raise exception 'run % is busy: another transaction holds its row; try again',
-                p_run_id using errcode = 'WF005';
-        end if;
-        raise exception 'run % not found', p_run_id using errcode = 'WF002';
-    end if;
-    if v_run.lease_epoch <> p_epoch or v_run.status <> all(p_statuses) then
-        raise exception 'lease lost on run %: fencing token % is stale (run is % at epoch %)',
-            p_run_id, p_epoch, v_run.status, v_run.lease_epoch using errcode = 'WF001';
-    end if;
-    return v_run;
+    return check_fence(p_run_id, p_epoch, p_statuses, v_run, found);
 end
 $$;
 
