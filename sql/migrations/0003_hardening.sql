@@ -927,10 +927,11 @@ exception
 end
 $$;
 
--- Cancels an unfinished run: it becomes cancelled and its lease is revoked (epoch bump), so a
--- worker running it stops at its next heartbeat or write. No compensation runs; cancelling a
--- run in the middle of its compensations records compensation_ok = false. Cancelling a
--- finished run changes nothing. Returns the run's status afterwards.
+-- Cancels an unfinished run and, with it, its unfinished descendants (runs it started,
+-- theirs, ...): each becomes cancelled and its lease is revoked (epoch bump), so a worker
+-- running one stops at its next heartbeat or write. No compensation runs; cancelling a run in
+-- the middle of its compensations records compensation_ok = false. Cancelling a finished run
+-- changes nothing. Returns the run's status afterwards.
 create or replace function cancel(run_id text) returns text
 language plpgsql
 set search_path from current
@@ -942,12 +943,18 @@ begin
     if v_run.status not in ('pending', 'running', 'compensating') then
         return v_run.status;
     end if;
+    with recursive family as (
+        select v_run.id as id
+        union
+        select c.id from runs c join family f on c.parent_run_id = f.id
+    )
     update runs r
     set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
         lease_epoch = r.lease_epoch + 1,
         compensation_ok = case when r.status = 'compensating' then false
                                else r.compensation_ok end
-    where r.id = v_run.id;
+    from family f
+    where r.id = f.id and r.status in ('pending', 'running', 'compensating');
     return 'cancelled';
 end
 $$;
