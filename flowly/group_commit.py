@@ -148,7 +148,8 @@ class GroupCommitter:
             batch = self._pending[: self._max_batch]
             del self._pending[: self._max_batch]
             try:
-                await asyncio.wait_for(self._flush(batch), self._timeout)
+                async with asyncio.timeout(self._timeout):
+                    await self._flush(batch)
             except Exception as exc:
                 if is_contention(exc) or is_connection_failure(exc):
                     # the connection failed (or, rarely, the batch lost a deadlock): each run
@@ -162,7 +163,8 @@ class GroupCommitter:
                                len(batch), exc)
                 for item in batch:
                     try:
-                        await asyncio.wait_for(self._flush([item]), self._timeout)
+                        async with asyncio.timeout(self._timeout):
+                            await self._flush([item])
                     except Exception as item_exc:
                         _fail_all([item], item_exc)
 

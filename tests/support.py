@@ -34,7 +34,12 @@ def running_worker(dsn: str, **options: Any) -> Iterator[flowly.Worker]:
             loop.run_until_complete(worker.run())
         except BaseException as exc:  # surfaced to the test below
             errors.append(exc)
-        finally:
+        finally:  # as asyncio.run does: a step that ignored its cancellation is ended here
+            leftovers = asyncio.all_tasks(loop)
+            for task in leftovers:
+                task.cancel()
+            if leftovers:
+                loop.run_until_complete(asyncio.wait(leftovers))
             loop.close()
 
     thread = threading.Thread(target=run, name="test-worker", daemon=True)

@@ -373,14 +373,17 @@ def test_global_options_work_after_the_command_name(dsn: str) -> None:
 # -- worker -----------------------------------------------------------------------------------
 
 
-def test_worker_command_serves_runs_and_stops_on_sigterm(dsn: str, db: psycopg.Connection[Any],
-                                                         worker: subprocess.Popen[bytes]) -> None:
+def test_worker_command_serves_runs_and_stops_on_sigterm(
+    dsn: str, db: psycopg.Connection[Any], worker: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
     run_id = ok(flowly("start", "order", json.dumps(OK_ORDER), dsn=dsn)).strip()
     wait_status(db, run_id, "completed")
     assert db.execute("select count(*) from flowly.workers").fetchone() == (1,)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(20) == 0
-    assert db.execute("select count(*) from flowly.workers").fetchone() == (0,)
+    log = (tmp_path / "worker.log").read_text()
+    assert db.execute("select count(*) from flowly.workers").fetchone() == (0,), log
+    assert "overran" not in log
 
 
 def test_worker_with_an_unimportable_app_exits_2_with_one_line(dsn: str) -> None:

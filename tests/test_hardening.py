@@ -431,3 +431,21 @@ def test_run_counts_stay_exact_without_reading_finished_history(
     db.execute("analyze flowly.runs")
     for view in ("run_counts", "queue_backlog", "throughput", "step_latency", "dead_letters"):
         assert "runs" not in seq_scanned(db, f"select * from flowly.{view}"), view
+
+
+def test_stopping_a_busy_worker_always_ends_its_background_loops(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The worker's periodic loops (schedule ticks, claims) call the database all the time.
+    A stop that lands just as one of those calls returns must still end the loop: on Python
+    3.11 ``asyncio.wait_for`` returned the call's result instead of the cancellation, the
+    loop went on, the shutdown overran and was cut short before the worker unregistered."""
+    for _ in range(40):
+        with running_worker(dsn, poll_interval=0.0001, drain_timeout=0.1) as worker:
+            wait_for(lambda: scalar(db, "select count(*) = 1 from flowly.workers"),
+                     what="the worker registered")
+            time.sleep(0.05)
+            started = time.monotonic()
+            worker.stop()
+        assert time.monotonic() - started < 3, "the shutdown overran"
+        assert scalar(db, "select count(*) from flowly.workers") == 0

@@ -11,6 +11,7 @@ Run it with ``python -m flowly.worker --app module[:attr]`` or :meth:`Worker.run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -271,12 +272,22 @@ class Worker:
             try:
                 await self._serve_until_stopped(self._pool)
             finally:
+                await self._unregister()
                 await self._pool.close(timeout=_SHUTDOWN_CALL_TIMEOUT)
         finally:
             if on_main_thread:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _unregister(self) -> None:
+        """Leave flowly.workers, also after a shutdown that was cut short: a row left behind
+        looks like a live worker to dashboards and to poison detection until it expires."""
+        try:
+            async with asyncio.timeout(_SHUTDOWN_CALL_TIMEOUT):
+                await self._call(self._calls.unregister_worker, (self.worker_id,))
+        except Exception as exc:  # the worker row expires by itself
+            logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
 
     async def _serve_until_stopped(self, pool: AsyncConnectionPool) -> None:
         """Serve; once asked to stop, give the orderly shutdown (drain, release) its time and
@@ -346,12 +357,6 @@ class Worker:
             await self._committer.close(_SHUTDOWN_CALL_TIMEOUT)
             await asyncio.to_thread(self._transactions.close)
             self._step_threads.close()
-            try:
-                await asyncio.wait_for(
-                    self._call(self._calls.unregister_worker, (self.worker_id,)),
-                    _SHUTDOWN_CALL_TIMEOUT)
-            except Exception as exc:  # the worker row expires by itself
-                logger.warning("could not unregister worker %s: %s", self.worker_id, exc)
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -368,10 +373,9 @@ class Worker:
             if claimed and claimed == free:
                 await asyncio.sleep(0)  # let finished runs free their slots, then claim again
                 continue
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), self.poll_interval)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_interval):
+                    await self._wakeup.wait()
 
     async def _claim(self, limit: int) -> int:
         rows = await self._call(
@@ -491,9 +495,9 @@ class Worker:
             # bumps the epoch, so nothing it writes afterwards can land
             await asyncio.wait(tasks, timeout=_CANCEL_GRACE)
         try:
-            rows = await asyncio.wait_for(self._call(
-                self._calls.release, ([h.run_id for h in unfinished], [h.epoch for h in unfinished])
-            ), _SHUTDOWN_CALL_TIMEOUT)
+            async with asyncio.timeout(_SHUTDOWN_CALL_TIMEOUT):
+                rows = await self._call(self._calls.release, (
+                    [h.run_id for h in unfinished], [h.epoch for h in unfinished]))
         except Exception as exc:
             logger.warning("could not release %d run(s); other workers take them when their"
                            " leases expire: %s", len(unfinished), exc)
@@ -633,8 +637,10 @@ class Worker:
         or a client that hangs) raises TimeoutError, an OSError: the run is abandoned, and the
         connection, returned mid-call, is discarded by the pool."""
         assert self._pool is not None
-        return await asyncio.wait_for(self._call_now(self._pool, query, params),
-                                      session.call_timeout(self.lease))
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call
+        # that finishes as its caller is cancelled, and the cancellation is lost
+        async with asyncio.timeout(session.call_timeout(self.lease)):
+            return await self._call_now(self._pool, query, params)
 
     @staticmethod
     async def _call_now(pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
