@@ -2,10 +2,10 @@
 --
 -- run_counts counted every run at every refresh (100 ms at 600k runs). Unfinished runs are
 -- still counted live (the partial index over them bounds that); finished runs are counted by
--- triggers: each statement that moves runs into or out of a finished status (completion, dead
--- letter, cancel, retry, a purge) appends one aggregated delta row, so the hot path pays
--- one small insert per batch, never a contended counter row. Workers fold the deltas into
--- run_count_totals at every heartbeat (one folder at a time, under an advisory lock).
+-- triggers: a run that moves into or out of a finished status (completion, dead letter,
+-- cancel, retry) appends a delta row, a purge one aggregated row per statement, never a
+-- contended counter row. Workers fold the deltas into run_count_totals at every heartbeat
+-- (one folder at a time, under an advisory lock).
 -- throughput and step_latency cover the last 24 hours, read through indexes on time.
 
 create table run_count_totals (
@@ -27,24 +27,23 @@ select r.workflow, r.status, count(*) from runs r
 where r.status in ('completed', 'dead_letter', 'cancelled')
 group by r.workflow, r.status;
 
--- Counts runs that entered (+1) or left (-1) a finished status in one statement.
-create function count_finished_updates() returns trigger
+-- Counts a run that entered (+1) or left (-1) a finished status. A row trigger, called only
+-- for such rows (its when clause): the updates that finish nothing (claims, heartbeats,
+-- checkpoints) fire nothing and capture no transition table, which a statement trigger
+-- would do for every update of runs.
+create function count_finished_update() returns trigger
 language plpgsql
 set search_path from current
 as $$
 begin
-    insert into run_count_deltas (workflow, status, delta)
-    select c.workflow, c.status, sum(c.delta)
-    from (
-        select n.workflow, n.status, 1 as delta
-        from new_runs n join old_runs o on o.id = n.id
-        where n.status <> o.status and n.status in ('completed', 'dead_letter', 'cancelled')
-        union all
-        select o.workflow, o.status, -1
-        from new_runs n join old_runs o on o.id = n.id
-        where n.status <> o.status and o.status in ('completed', 'dead_letter', 'cancelled')
-    ) c
-    group by c.workflow, c.status;
+    if new.status in ('completed', 'dead_letter', 'cancelled') then
+        insert into run_count_deltas (workflow, status, delta)
+        values (new.workflow, new.status, 1);
+    end if;
+    if old.status in ('completed', 'dead_letter', 'cancelled') then
+        insert into run_count_deltas (workflow, status, delta)
+        values (old.workflow, old.status, -1);
+    end if;
     return null;
 end
 $$;
@@ -79,9 +78,12 @@ $$;
 create trigger runs_count_finished_insert after insert on runs
     for each row when (new.status in ('completed', 'dead_letter', 'cancelled'))
     execute function count_finished_insert();
-create trigger runs_count_finished_updates after update on runs
-    referencing old table as old_runs new table as new_runs
-    for each statement execute function count_finished_updates();
+create trigger runs_count_finished_updates after update of status on runs
+    for each row
+    when (old.status is distinct from new.status
+          and (new.status in ('completed', 'dead_letter', 'cancelled')
+               or old.status in ('completed', 'dead_letter', 'cancelled')))
+    execute function count_finished_update();
 create trigger runs_count_finished_deletes after delete on runs
     referencing old table as old_runs
     for each statement execute function count_finished_deletes();

@@ -230,34 +230,24 @@ begin
 end
 $$;
 
--- After a statement that changed runs' statuses: counts the runs that entered or left a
--- finished status (0004), wakes the runs waiting for the ones that finished, and announces
--- each finished run on finished_channel().
-create or replace function count_finished_updates() returns trigger
+-- After a run entered or left a finished status: counts it (0004) and, when it finished,
+-- wakes the runs waiting for it and announces it on finished_channel().
+create or replace function count_finished_update() returns trigger
 language plpgsql
 set search_path from current
 as $$
-declare
-    v_finished text[];
 begin
-    insert into run_count_deltas (workflow, status, delta)
-    select c.workflow, c.status, sum(c.delta)
-    from (
-        select n.workflow, n.status, 1 as delta
-        from new_runs n join old_runs o on o.id = n.id
-        where n.status <> o.status and n.status in ('completed', 'dead_letter', 'cancelled')
-        union all
-        select o.workflow, o.status, -1
-        from new_runs n join old_runs o on o.id = n.id
-        where n.status <> o.status and o.status in ('completed', 'dead_letter', 'cancelled')
-    ) c
-    group by c.workflow, c.status;
-    v_finished := array(
-        select n.id from new_runs n join old_runs o on o.id = n.id
-        where n.status <> o.status and n.status in ('completed', 'dead_letter', 'cancelled'));
-    if cardinality(v_finished) > 0 then
-        perform wake_waiters(v_finished);
-        perform pg_notify(finished_channel(), f) from unnest(v_finished) f;
+    if new.status in ('completed', 'dead_letter', 'cancelled') then
+        insert into run_count_deltas (workflow, status, delta)
+        values (new.workflow, new.status, 1);
+        if exists (select from waits w where w.target = new.id and w.kind = 'run') then
+            perform wake_waiters(array[new.id]);
+        end if;
+        perform pg_notify(finished_channel(), new.id);
+    end if;
+    if old.status in ('completed', 'dead_letter', 'cancelled') then
+        insert into run_count_deltas (workflow, status, delta)
+        values (old.workflow, old.status, -1);
     end if;
     return null;
 end
