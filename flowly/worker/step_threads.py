@@ -33,6 +33,9 @@ class StepThreads:
         self._threads = 0
         self._idle = 0
         self._lock = threading.Lock()
+        # calls finished on the threads, to settle on the loop; whether a delivery is due
+        self._finished: list[tuple[Callable[[Any], None], Any, asyncio.Future[Any]]] = []
+        self._delivering = False
 
     @property
     def threads(self) -> int:
@@ -84,13 +87,22 @@ class StepThreads:
                 settle, value = outcome.set_result, result
             with self._lock:
                 self._idle += 1
-            try:
-                loop.call_soon_threadsafe(self._deliver, settle, value, outcome)
-            except RuntimeError:  # the loop is closed: the worker stopped without waiting
-                return
+                self._finished.append((settle, value, outcome))
+                wake_loop = not self._delivering
+                self._delivering = True
+            if wake_loop:
+                try:
+                    loop.call_soon_threadsafe(self._deliver)
+                except RuntimeError:  # the loop is closed: the worker stopped without waiting
+                    return
 
-    def _deliver(self, settle: Callable[[Any], None], value: Any,
-                 outcome: asyncio.Future[Any]) -> None:
-        self._slots.release()
-        if not outcome.done():  # the run may have been cancelled meanwhile
-            settle(value)
+    def _deliver(self) -> None:
+        """On the loop: settle every call finished since the last delivery (steps that end
+        together cost one wake-up of the loop, not one each)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            self._delivering = False
+        for settle, value, outcome in finished:
+            self._slots.release()
+            if not outcome.done():  # the run may have been cancelled meanwhile
+                settle(value)
