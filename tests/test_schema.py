@@ -638,20 +638,20 @@ def test_api_ignores_shadowing_objects_on_the_callers_search_path(dsn: str) -> N
 
 # The candidate query of flowly.claim, copied from its body (the test checks it still is).
 CLAIM_CANDIDATES = """
-                    select r.id from runs r
-                    where r.queue = v_queue and r.priority = v_priority
+                    select r.id, r.available_at from runs r
+                    where r.queue = q.name and r.workflow = w.name and r.priority = v_priority
                       and r.status in ('pending', 'running', 'compensating')
                       and r.available_at <= now()
-                      and r.workflow = any(p_workflows)
                       and (r.timeout_at is null or r.timeout_at >= now()
                            or r.status = 'compensating')
+                      and r.id <> all(v_tried)
                     order by r.available_at
                     limit p_limit - cardinality(v_ids)
-                    for update skip locked
 """
 CLAIM_LEVELS = """
             select r.priority from runs r
-            where r.queue = q.name and r.status in ('pending', 'running', 'compensating')
+            where r.queue = q.name and r.workflow = w.name
+              and r.status in ('pending', 'running', 'compensating')
               and (v_priority is null or r.priority < v_priority)
             order by r.priority desc
             limit 1
@@ -696,13 +696,14 @@ def test_claim_reads_only_due_runs_of_its_queues(db: psycopg.Connection[Any]) ->
     db.execute("analyze flowly.runs")
 
     candidates = (_squash(CLAIM_CANDIDATES).replace("from runs r", "from flowly.runs r")
-                  .replace("v_queue", "%s").replace("v_priority", "%s")
-                  .replace("p_workflows", "%s").replace("p_limit - cardinality(v_ids)", "%s"))
+                  .replace("q.name", "%s").replace("w.name", "%s").replace("v_priority", "%s")
+                  .replace("v_tried", "%s::text[]")
+                  .replace("p_limit - cardinality(v_ids)", "%s"))
     levels = (_squash(CLAIM_LEVELS).replace("from runs r", "from flowly.runs r")
-              .replace("q.name", "%s").replace("v_priority is null or ", "")
-              .replace("v_priority", "%s"))
-    for query, params in [(candidates, ("default", 0, ["wf"], 10)),
-                          (levels, ("default", 2**31 - 1))]:
+              .replace("q.name", "%s").replace("w.name", "%s")
+              .replace("v_priority is null or ", "").replace("v_priority", "%s"))
+    for query, params in [(candidates, ("default", "wf", 0, [], 10)),
+                          (levels, ("default", "wf", 2**31 - 1))]:
         plan = _explain(db, query, params)
         nodes = list(plan_nodes(plan))
         assert [n for n in nodes if n["Node Type"] == "Seq Scan"] == [], plan

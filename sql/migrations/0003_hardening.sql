@@ -103,9 +103,10 @@ create table step_history (
     primary key (run_id, generation, name)
 );
 
--- The claim reads one range per (queue, priority level): due runs only, whatever waits behind.
+-- The claim reads one range per queue, workflow and priority level: due runs of what the worker
+-- serves only, whatever waits behind them or belongs to a workflow it does not serve.
 drop index runs_claimable;
-create index runs_claimable on runs (queue, priority desc, available_at)
+create index runs_claimable on runs (queue, workflow, priority desc, available_at)
     where status in ('pending', 'running', 'compensating');
 -- Listings newest first, filtered by nothing, a status or a workflow, read only what they show.
 drop index runs_workflow_status;
@@ -359,11 +360,15 @@ drop function claim(text, text[], text[], integer, interval);
 -- Hands up to p_limit due runs to a worker: pending runs whose time has come and running or
 -- compensating runs whose lease expired (taken over as they are, without counting an attempt;
 -- a takeover from a worker that stopped heartbeating counts towards PoisonRun), highest
--- priority first, then longest due. Each claim bumps the fencing token. Reads one index range
--- of due runs per queue and priority level, so runs that are not due, or in other queues,
--- cost nothing. Runs past their timeout are never handed out. has_history says whether the
--- run has steps or timers to replay (read them with replay), computed after the runs are
--- locked, so it sees every checkpoint their former holders committed.
+-- priority first, then longest due (across the queues and workflows served). Each claim bumps
+-- the fencing token. Reads one index range of due runs per queue, workflow and priority level,
+-- so runs that are not due, in other queues, or of workflows the worker does not serve (a
+-- typo, a newer release's) cost nothing. The due runs are first read without locks, then
+-- locked with skip locked: runs another claim holds are passed over, never waited for, and
+-- no more rows are locked than handed out. Runs past their timeout are never handed out.
+-- has_history says whether the run has steps or timers to replay (read them with replay),
+-- computed after the runs are locked, so it sees every checkpoint their former holders
+-- committed.
 create function claim(
     p_worker text, p_workflows text[], p_queues text[], p_limit integer, p_lease interval
 ) returns table (
@@ -375,9 +380,11 @@ set search_path from current
 as $$
 declare
     v_queues text[] := array(select distinct q from unnest(p_queues) q where q is not null);
-    v_queue text;
+    v_workflows text[] := array(select distinct w from unnest(p_workflows) w where w is not null);
     v_priority integer;
     v_ids text[] := '{}';
+    v_tried text[] := '{}';
+    v_due text[];
 begin
     if p_limit is null or p_limit < 1 then
         raise exception 'claim limit must be a positive number of runs, got %',
@@ -386,29 +393,49 @@ begin
     perform check_lease(p_lease);
     perform dead_letter_stalled_runs();
     loop
-        -- the next priority level below v_priority that any served queue has runs at
+        -- the next priority level below v_priority at which a served queue has runs of a
+        -- served workflow
         select max(l.priority) into v_priority
         from unnest(v_queues) q (name)
+        cross join unnest(v_workflows) w (name)
         cross join lateral (
             select r.priority from runs r
-            where r.queue = q.name and r.status in ('pending', 'running', 'compensating')
+            where r.queue = q.name and r.workflow = w.name
+              and r.status in ('pending', 'running', 'compensating')
               and (v_priority is null or r.priority < v_priority)
             order by r.priority desc
             limit 1) l;
         exit when v_priority is null;
-        foreach v_queue in array v_queues loop
-            v_ids := v_ids || array(
-                select d.id from (
-                    select r.id from runs r
-                    where r.queue = v_queue and r.priority = v_priority
+        loop
+            -- the longest due runs of this level, merged from one range per queue and
+            -- workflow; those another claim holds were tried and are not read again
+            v_due := array(
+                select d.id from unnest(v_queues) q (name)
+                cross join unnest(v_workflows) w (name)
+                cross join lateral (
+                    select r.id, r.available_at from runs r
+                    where r.queue = q.name and r.workflow = w.name and r.priority = v_priority
                       and r.status in ('pending', 'running', 'compensating')
                       and r.available_at <= now()
-                      and r.workflow = any(p_workflows)
                       and (r.timeout_at is null or r.timeout_at >= now()
                            or r.status = 'compensating')
+                      and r.id <> all(v_tried)
                     order by r.available_at
-                    limit p_limit - cardinality(v_ids)
-                    for update skip locked) d);
+                    limit p_limit - cardinality(v_ids)) d
+                order by d.available_at
+                limit p_limit - cardinality(v_ids));
+            exit when cardinality(v_due) = 0;
+            v_tried := v_tried || v_due;
+            -- locked, and checked again on the version locked (a claim that committed
+            -- meanwhile may have taken the run)
+            v_ids := v_ids || array(
+                select r.id from runs r
+                where r.id = any(v_due) and r.status in ('pending', 'running', 'compensating')
+                  and r.available_at <= now()
+                  and (r.timeout_at is null or r.timeout_at >= now()
+                       or r.status = 'compensating')
+                order by r.available_at
+                for update skip locked);
             exit when cardinality(v_ids) >= p_limit;
         end loop;
         exit when cardinality(v_ids) >= p_limit;
