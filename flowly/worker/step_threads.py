@@ -94,6 +94,9 @@ class StepThreads:
                 try:
                     loop.call_soon_threadsafe(self._deliver)
                 except RuntimeError:  # the loop is closed: the worker stopped without waiting
+                    with self._lock:  # nobody awaits these any more
+                        self._finished.clear()
+                        self._delivering = False
                     return
 
     def _deliver(self) -> None:
