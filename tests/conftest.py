@@ -8,6 +8,7 @@ and clones it for every test.
 
 from __future__ import annotations
 
+import gc
 import getpass
 import os
 import sys
@@ -97,3 +98,13 @@ def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return describe(CHOICE, _SERVER_ARGS)
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test() -> Iterator[None]:
+    """Collect a test's cyclic garbage (connections, coroutines, tasks) when it ends, not in
+    the middle of a later test: on Python 3.11 before 3.11.8, a finalizer that runs while
+    pytest rewrites a lazily imported module (hypothesis imports some as it goes) raises
+    "SystemError: AST constructor recursion depth mismatch", seen once in this suite."""
+    yield
+    gc.collect()
