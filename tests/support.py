@@ -95,6 +95,10 @@ def worker_process(dsn: str, *args: str) -> Iterator[WorkerProcess]:
     process = WorkerProcess(dsn, *args)
     try:
         yield process
+    except BaseException:  # what the worker said belongs in the failure's report
+        if process.proc.poll() is None:
+            sys.stderr.write(f"worker {process.pid} logged:\n{process.kill()}")
+        raise
     finally:
         if process.proc.poll() is None:
             process.kill()

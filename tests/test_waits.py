@@ -95,7 +95,9 @@ def test_fan_out_and_in_with_one_failing_child(
     """20 children started and awaited with asyncio.gather; child 7 fails and is caught as
     ChildFailed; the parent holds no lease while it waits; a worker is SIGKILLed meanwhile."""
     run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 1.0})
-    with worker_process(dsn, "--lease", "1", "--concurrency", "8") as first:
+    # a lease of 2 s, not 1: on a loaded machine a parent that starts 20 children and waits
+    # for them, with seven sync steps beside it, could lose a 1 s lease again and again
+    with worker_process(dsn, "--lease", "2", "--concurrency", "8") as first:
         wait_for(lambda: scalar(db, "select count(*) = 20 from flowly.runs"
                                     " where parent_run_id = %s", run_id), what="20 children")
         wait_for(lambda: _parked(db, run_id), what="the parent parked")
