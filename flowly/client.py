@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from .db import TERMINAL, Calls, check_schema_name, dumps, translated_errors
+from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
 from .errors import InvalidArgument, RunNotFound, RunTimeout
 from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
 from .workflow import WorkflowFn, lookup, start_params
@@ -193,13 +193,6 @@ def parse_since(since: Since) -> datetime | timedelta:
     except ValueError:
         raise InvalidArgument(f"since: expected an age like 10m, 2h, 1d or an ISO time,"
                               f" got {since!r}") from None
-
-
-def _event_payload(payload: Any) -> str:
-    try:
-        return dumps(payload)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"event payload is not JSON serialisable: {exc}") from exc
 
 
 def _purge_age(older_than: float | timedelta) -> timedelta:
@@ -376,7 +369,8 @@ class Client:
         """Send event ``name`` with a JSON ``payload`` to a run (its next
         ``ctx.wait_for_event(name)`` receives it); returns the event's sequence number.
         ``conn`` joins the caller's transaction."""
-        rows = self._fetch(self.calls.send_event, (run_id, name, _event_payload(payload)), conn)
+        rows = self._fetch(self.calls.send_event,
+                           (run_id, name, dumps_argument(payload, "event payload")), conn)
         return int(rows[0]["send_event"])
 
     def purge(self, older_than: float | timedelta, *, statuses: Collection[str] = TERMINAL,
@@ -576,7 +570,7 @@ class AsyncClient:
                          conn: psycopg.AsyncConnection[Any] | None = None) -> int:
         """See :meth:`Client.send_event`."""
         rows = await self._fetch(self.calls.send_event,
-                                 (run_id, name, _event_payload(payload)), conn)
+                                 (run_id, name, dumps_argument(payload, "event payload")), conn)
         return int(rows[0]["send_event"])
 
     async def purge(self, older_than: float | timedelta, *,

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import RunBusy, SchemaError, SchemaNotInstalled, translate
+from .errors import InvalidArgument, RunBusy, SchemaError, SchemaNotInstalled, translate
 
 DEFAULT_SCHEMA = "flowly"
 NON_TERMINAL = ("pending", "running", "compensating")
@@ -111,6 +111,15 @@ def dumps(value: Any) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"jsonb cannot store an unpaired surrogate: {exc}") from None
     return text
+
+
+def dumps_argument(value: Any, what: str) -> str:
+    """:func:`dumps` for a value a caller passed in (a run's input, an event's payload):
+    what cannot be stored is the caller's mistake, an InvalidArgument naming ``what``."""
+    try:
+        return dumps(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"{what} is not JSON serialisable: {exc}") from exc
 
 
 def jsonb_safe_text(text: str) -> str:

@@ -15,8 +15,7 @@ from typing import Any
 
 from psycopg import sql
 
-from .db import check_schema_name, dumps
-from .errors import InvalidArgument
+from .db import check_schema_name, dumps_argument
 from .workflow import WorkflowFn, lookup
 
 MISSED = ("skip", "run_once")
@@ -84,13 +83,9 @@ def schedule_params(
     (whose registration gives the default queue and max_attempts); the SQL validates the
     rest (the expression, the zone, the names) and says which is wrong."""
     workflow_name, defaults = lookup(workflow)
-    try:
-        payload = dumps(input)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(
-            f"input of schedule {name!r} is not JSON serialisable: {exc}") from exc
     return {
-        "name": name, "cron": cron, "workflow": workflow_name, "input": payload,
+        "name": name, "cron": cron, "workflow": workflow_name,
+        "input": dumps_argument(input, f"input of schedule {name!r}"),
         "timezone": timezone,
         "queue": queue if queue is not None else (defaults.queue if defaults else "default"),
         "priority": priority, "missed": missed, "overlap": overlap,

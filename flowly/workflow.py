@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .db import dumps
+from .db import dumps_argument
 from .errors import InvalidArgument, UnknownWorkflow
 
 if TYPE_CHECKING:
@@ -120,14 +120,9 @@ def start_params(
     unknown = set(options) - START_OPTIONS
     if unknown:
         raise TypeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
-    try:
-        payload = dumps(input)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(
-            f"input of a {workflow!r} run is not JSON serialisable: {exc}") from exc
     return {
         "workflow": _text(workflow, "workflow", workflow),
-        "input": payload,
+        "input": dumps_argument(input, f"input of a {workflow!r} run"),
         "run_id": _text(workflow, "run_id", run_id),
         "queue": _text(workflow, "queue", _option(
             options, "queue", defaults.queue if defaults else "default")),
