@@ -230,28 +230,27 @@ begin
 end
 $$;
 
--- After a run entered or left a finished status: counts it (0004) and, when it finished,
--- wakes the runs waiting for it and announces it on finished_channel().
-create or replace function count_finished_update() returns trigger
+-- After a run finished: wakes the runs waiting for it and announces it on finished_channel().
+-- A trigger of its own beside 0004's counting one, with the same kind of when clause: updates
+-- that finish nothing fire neither.
+create function wake_on_finish() returns trigger
 language plpgsql
 set search_path from current
 as $$
 begin
-    if new.status in ('completed', 'dead_letter', 'cancelled') then
-        insert into run_count_deltas (workflow, status, delta)
-        values (new.workflow, new.status, 1);
-        if exists (select from waits w where w.target = new.id and w.kind = 'run') then
-            perform wake_waiters(array[new.id]);
-        end if;
-        perform pg_notify(finished_channel(), new.id);
+    if exists (select from waits w where w.target = new.id and w.kind = 'run') then
+        perform wake_waiters(array[new.id]);
     end if;
-    if old.status in ('completed', 'dead_letter', 'cancelled') then
-        insert into run_count_deltas (workflow, status, delta)
-        values (old.workflow, old.status, -1);
-    end if;
+    perform pg_notify(finished_channel(), new.id);
     return null;
 end
 $$;
+
+create trigger runs_wake_on_finish after update of status on runs
+    for each row
+    when (old.status is distinct from new.status
+          and new.status in ('completed', 'dead_letter', 'cancelled'))
+    execute function wake_on_finish();
 
 -- Sends an event to a run: the oldest unconsumed event of a name is what the run's next
 -- wait_for_event of that name receives, whether the wait comes before or after it. A run
