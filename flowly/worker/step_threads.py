@@ -33,9 +33,9 @@ class StepThreads:
         self._threads = 0
         self._idle = 0
         self._lock = threading.Lock()
-        # calls finished on the threads, to settle on the loop; whether a delivery is due
+        # calls finished on the threads, to settle on the loop (a delivery is scheduled
+        # whenever this is not empty)
         self._finished: list[tuple[Callable[[Any], None], Any, asyncio.Future[Any]]] = []
-        self._delivering = False
 
     @property
     def threads(self) -> int:
@@ -87,16 +87,14 @@ class StepThreads:
                 settle, value = outcome.set_result, result
             with self._lock:
                 self._idle += 1
+                wake_loop = not self._finished
                 self._finished.append((settle, value, outcome))
-                wake_loop = not self._delivering
-                self._delivering = True
             if wake_loop:
                 try:
                     loop.call_soon_threadsafe(self._deliver)
                 except RuntimeError:  # the loop is closed: the worker stopped without waiting
                     with self._lock:  # nobody awaits these any more
                         self._finished.clear()
-                        self._delivering = False
                     return
 
     def _deliver(self) -> None:
@@ -104,7 +102,6 @@ class StepThreads:
         together cost one wake-up of the loop, not one each)."""
         with self._lock:
             finished, self._finished = self._finished, []
-            self._delivering = False
         for settle, value, outcome in finished:
             self._slots.release()
             if not outcome.done():  # the run may have been cancelled meanwhile
