@@ -378,8 +378,11 @@ create function claim(
 language plpgsql
 set search_path from current
 -- its statements' plans are the same whatever the arguments (index ranges per queue and
--- workflow); custom plans were made afresh at every call, a third of a one-run claim
+-- workflow); custom plans were made afresh at every call, a third of a one-run claim. A
+-- generic plan's cost is estimated for any limit, high enough on a large table to start the
+-- JIT compiler (8 ms a statement, for work of a few index pages): never for these calls
 set plan_cache_mode = force_generic_plan
+set jit = off
 as $$
 declare
     v_queues text[] := array(select distinct q from unnest(p_queues) q where q is not null);
@@ -589,8 +592,9 @@ language plpgsql
 set search_path from current
 -- a lone checkpoint's exact arguments made a custom plan look cheaper than the generic one,
 -- so it was planned afresh at every call (a third of its time); the generic plan reaches
--- each run and step by primary key whatever the batch size
+-- each run and step by primary key whatever the batch size (and no JIT, as for claim)
 set plan_cache_mode = force_generic_plan
+set jit = off
 as $$
 -- plpgsql rather than sql: it keeps the plan between calls
 #variable_conflict use_column
@@ -714,6 +718,7 @@ returns table (run_id text, lease_lost boolean, busy boolean)
 language plpgsql
 set search_path from current
 set plan_cache_mode = force_generic_plan  -- as checkpoint_steps
+set jit = off
 as $$
 begin
     return query
