@@ -28,6 +28,18 @@ class Workflow:
     queue: str = "default"
     max_attempts: int = 3
 
+    @functools.cached_property
+    def signature_error(self) -> str | None:
+        """Why the body cannot be called as ``fn(ctx, input)``, or None; worked out once,
+        not at every run (``inspect.signature`` is a large part of starting a body)."""
+        try:
+            inspect.signature(self.fn).bind(None, None)
+        except TypeError as exc:
+            return str(exc)
+        except ValueError:  # no signature to check (a builtin): let the call tell
+            pass
+        return None
+
 
 _registry: dict[str, Workflow] = {}
 

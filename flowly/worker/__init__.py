@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import signal
@@ -656,11 +655,7 @@ class Worker:
 
 async def _call_body(workflow: Workflow, ctx: Context, input: Any) -> Any:
     """Call the workflow body; a body that does not take ``(ctx, input)`` is a code error."""
-    try:
-        inspect.signature(workflow.fn).bind(ctx, input)
-    except TypeError as exc:
+    if workflow.signature_error is not None:
         raise WorkflowCodeError(
-            f"workflow {workflow.name!r} must take (ctx, input): {exc}") from None
-    except ValueError:  # no signature to check (a builtin): let the call tell
-        pass
+            f"workflow {workflow.name!r} must take (ctx, input): {workflow.signature_error}")
     return await workflow.fn(ctx, input)
