@@ -38,11 +38,12 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98], "max": max(values)}
 
 
-def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
-    """(enqueue -> first step ms, wait return delay ms) of ``runs`` runs one at a time."""
+def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float], list[float]]:
+    """(enqueue -> first step ms, wait return delay ms, the ``start`` call alone ms) of
+    ``runs`` runs one at a time."""
     child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow",
                    "bench.first_step_time", "--concurrency", "8", "--poll-interval", "5"])
-    first, delay = [], []
+    first, delay, enqueue = [], [], []
     try:
         child.wait_ready()
         child.send("go")
@@ -51,6 +52,7 @@ def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
             for _ in range(runs):
                 before = time.time()
                 run_id = client.start("bench.first_step_time")
+                enqueue.append((time.time() - before) * 1000)
                 run = client.wait(run_id, timeout=30)
                 returned = time.time()
                 assert run.status == "completed", run
@@ -61,7 +63,7 @@ def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
         child.finish()
     finally:
         child.kill()
-    return first, delay
+    return first, delay, enqueue
 
 
 def step_cost(dsn: str, steps: int) -> float:
@@ -102,7 +104,8 @@ def bare_checkpoint_ms(dsn: str, steps: int) -> float:
     return statistics.median(millis)
 
 
-def pgqueuer_latency(server: str, runs: int) -> list[float] | None:
+def pgqueuer_latency(server: str, runs: int) -> tuple[list[float], list[float]] | None:
+    """(enqueue -> job start ms, the ``enqueue`` call alone ms), if pgqueuer is installed."""
     try:
         import pgqueuer  # noqa: F401
     except ImportError:
@@ -115,7 +118,7 @@ def pgqueuer_latency(server: str, runs: int) -> list[float] | None:
         result = child.finish(timeout=runs * 30)
     finally:
         child.kill()
-    return [float(v) for v in result["ms"]]
+    return [float(v) for v in result["ms"]], [float(v) for v in result["enqueue_ms"]]
 
 
 def main() -> None:
@@ -128,12 +131,14 @@ def main() -> None:
     server = resolve_dsn(args.dsn)
     dsn = fresh_database(server, "flowly_bench")
     flowly.install_dsn(dsn)
-    first, delay = flowly_latency(dsn, args.runs)
+    first, delay, enqueue = flowly_latency(dsn, args.runs)
     rows = {"flowly enqueue -> first step": quantiles(first),
+            "flowly start() call alone": quantiles(enqueue),
             "flowly Client.wait return delay": quantiles(delay)}
     theirs = pgqueuer_latency(server, args.runs)
     if theirs:
-        rows["pgqueuer enqueue -> job start"] = quantiles(theirs)
+        rows["pgqueuer enqueue -> job start"] = quantiles(theirs[0])
+        rows["pgqueuer enqueue() call alone"] = quantiles(theirs[1])
     print(f"{'ms':<34} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7}")
     for name, q in rows.items():
         print(f"{name:<34} {q['p50']:>7.2f} {q['p95']:>7.2f} {q['p99']:>7.2f} {q['max']:>7.2f}")

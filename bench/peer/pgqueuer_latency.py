@@ -17,7 +17,7 @@ from pgqueuer import AsyncpgDriver, Job, Queries, QueueManager
 from bench.common import child_protocol_ready
 
 
-async def measure(url: str, runs: int) -> list[float]:
+async def measure(url: str, runs: int) -> tuple[list[float], list[float]]:
     setup = await asyncpg.connect(url)
     await Queries(AsyncpgDriver(setup)).install()
     consumer = await asyncpg.connect(url)
@@ -31,25 +31,26 @@ async def measure(url: str, runs: int) -> list[float]:
     task = asyncio.create_task(qm.run(batch_size=10))
     await asyncio.sleep(1.0)  # idle and listening
     queries = Queries(AsyncpgDriver(setup))
-    millis = []
+    millis, enqueue_millis = [], []
     for _ in range(runs):
         before = time.time()
         await queries.enqueue("latency", None)
+        enqueue_millis.append((time.time() - before) * 1000)
         started = await asyncio.wait_for(ran.get(), 30)
         millis.append((started - before) * 1000)
         await asyncio.sleep(0.01)
     qm.shutdown.set()
     await asyncio.wait_for(task, 30)
     await setup.close()
-    return millis
+    return millis, enqueue_millis
 
 
 def main() -> None:
     url, runs = sys.argv[1], int(sys.argv[2])
     child_protocol_ready()
-    millis = asyncio.run(measure(url, runs))
+    millis, enqueue_millis = asyncio.run(measure(url, runs))
     sys.stdin.readline()
-    print(json.dumps({"ms": millis}), flush=True)
+    print(json.dumps({"ms": millis, "enqueue_ms": enqueue_millis}), flush=True)
 
 
 if __name__ == "__main__":
