@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from psycopg import AsyncConnection, AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
 from .db import Calls, is_connection_failure, is_contention, translated_errors
@@ -171,40 +172,26 @@ class GroupCommitter:
     async def _flush(self, batch: list[_Write]) -> None:
         checkpoints = [item for item in batch if isinstance(item, _Checkpoint)]
         completions = [item for item in batch if isinstance(item, _Completion)]
+        checkpoint_rows: list[Any] = []
+        completion_rows: list[Any] = []
         async with self._pool.connection() as conn:
             with translated_errors():
-                # the two calls touch different runs, so each commits on its own: the sync
-                # between them ends the first's transaction; pipelined, they still cost one
-                # round trip together
-                async with conn.pipeline() as pipeline:
-                    checkpoint_cursor = completion_cursor = None
-                    if checkpoints:
-                        checkpoint_cursor = await conn.execute(
-                            self._calls.checkpoint_steps,
-                            (
-                                [c.run_id for c in checkpoints],
-                                [c.epoch for c in checkpoints],
-                                [c.name for c in checkpoints],
-                                [c.payload for c in checkpoints],
-                                [c.started_at for c in checkpoints],
-                                [c.compensable for c in checkpoints],
-                                [c.position for c in checkpoints],
-                            ),
-                        )
+                if checkpoints and completions:
+                    # the two calls touch different runs, so each commits on its own: the
+                    # sync between them ends the first's transaction; pipelined, they still
+                    # cost one round trip together (a lone call skips the pipeline's toll)
+                    async with conn.pipeline() as pipeline:
+                        checkpoint_cursor = await self._checkpoint_steps(conn, checkpoints)
                         await pipeline.sync()
-                    if completions:
-                        completion_cursor = await conn.execute(
-                            self._calls.complete_runs,
-                            (
-                                [c.run_id for c in completions],
-                                [c.epoch for c in completions],
-                                [c.payload for c in completions],
-                            ),
-                        )
-                    checkpoint_rows = (
-                        await checkpoint_cursor.fetchall() if checkpoint_cursor else [])
-                    completion_rows = (
-                        await completion_cursor.fetchall() if completion_cursor else [])
+                        completion_cursor = await self._complete_runs(conn, completions)
+                        checkpoint_rows = await checkpoint_cursor.fetchall()
+                        completion_rows = await completion_cursor.fetchall()
+                elif checkpoints:
+                    checkpoint_rows = await (
+                        await self._checkpoint_steps(conn, checkpoints)).fetchall()
+                else:
+                    completion_rows = await (
+                        await self._complete_runs(conn, completions)).fetchall()
         # rows come back in input order, one per item
         for item, (_, name, lease_lost, busy, output, seq) in zip(
                 checkpoints, checkpoint_rows, strict=True):
@@ -212,6 +199,34 @@ class GroupCommitter:
         for completion, (_, lease_lost, busy) in zip(
                 completions, completion_rows, strict=True):
             self._settle(completion, lease_lost, busy, "completion", None)
+
+    async def _checkpoint_steps(
+        self, conn: AsyncConnection[Any], checkpoints: list[_Checkpoint]
+    ) -> AsyncCursor[Any]:
+        return await conn.execute(
+            self._calls.checkpoint_steps,
+            (
+                [c.run_id for c in checkpoints],
+                [c.epoch for c in checkpoints],
+                [c.name for c in checkpoints],
+                [c.payload for c in checkpoints],
+                [c.started_at for c in checkpoints],
+                [c.compensable for c in checkpoints],
+                [c.position for c in checkpoints],
+            ),
+        )
+
+    async def _complete_runs(
+        self, conn: AsyncConnection[Any], completions: list[_Completion]
+    ) -> AsyncCursor[Any]:
+        return await conn.execute(
+            self._calls.complete_runs,
+            (
+                [c.run_id for c in completions],
+                [c.epoch for c in completions],
+                [c.payload for c in completions],
+            ),
+        )
 
     def _settle(self, item: _Write, lease_lost: bool, busy: bool, what: str, value: Any) -> None:
         if item.done.done():  # the run's task was cancelled meanwhile
