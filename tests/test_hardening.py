@@ -247,6 +247,29 @@ def test_a_worker_s_writes_do_not_read_the_runs_other_workers_hold(
     assert scalar(db, "select status from flowly.runs where id = 'mine'") == "completed"
 
 
+def test_a_plan_made_on_empty_tables_does_not_scan_them_once_they_grow(
+    db: psycopg.Connection[Any]
+) -> None:
+    """A worker that connects to a new install plans its batch writes on empty tables and
+    keeps those plans: they must not read the tables through, once 20,000 steps are in them
+    (one drain used to read 3 million rows of steps, a sequential scan per checkpoint)."""
+    epoch = _claim_one(db, "quick", "early")
+    db.execute("select flowly.checkpoint('early', %s, 'a', '1')", (epoch,))  # plans it
+    db.execute("insert into flowly.runs (id, workflow, status, finished_at)"
+               " select 'old-' || g, 'quick', 'completed', now() from generate_series(1, 5000) g")
+    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
+               " select 'old-' || (g % 5000 + 1), 's' || g, nextval('flowly.step_seq'),"
+               " 'completed', '1', now() from generate_series(1, 20000) g")
+    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
+             " from pg_statio_user_tables where relid = 'flowly.steps'::regclass")
+    db.execute("select pg_stat_force_next_flush()")
+    before = scalar(db, reads)
+    db.execute("select flowly.checkpoint('early', %s, 'b', '2')", (epoch,))
+    db.execute("select pg_stat_force_next_flush()")
+    assert scalar(db, reads) - before < 50
+    assert scalar(db, "select count(*) from flowly.steps where run_id = 'early'") == 2
+
+
 # --- exact replay ---------------------------------------------------------------------------
 
 def test_a_checkpoint_committed_while_claim_runs_is_replayed(
