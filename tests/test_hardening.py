@@ -219,8 +219,8 @@ def test_a_worker_s_writes_do_not_read_the_runs_other_workers_hold(
     db: psycopg.Connection[Any]
 ) -> None:
     """3,000 runs held by other workers, statistics taken while none was running (as in a
-    database whose running runs are a sliver of its history). One run's heartbeat, checkpoint
-    and completion reach its row by key: they read a few pages. They read every running run,
+    database whose running runs are a sliver of its history). One run's heartbeat, checkpoint,
+    completion and release reach its row by key: they read a few pages. They read every running run,
     each call, through the status index (and its dead entries until a vacuum) while that index
     looked cheaper to the planner than the primary key."""
     db.execute("insert into flowly.runs (id, workflow) select 'other-' || g, 'elsewhere'"
@@ -245,6 +245,9 @@ def test_a_worker_s_writes_do_not_read_the_runs_other_workers_hold(
     assert pages_read("select flowly.checkpoint('mine', %s, 'a', '1')", epoch) < 100
     assert pages_read("select flowly.complete('mine', %s, '2')", epoch) < 100
     assert scalar(db, "select status from flowly.runs where id = 'mine'") == "completed"
+    epoch = _claim_one(db, "quick", "mine too")
+    assert pages_read("select flowly.release(array['mine too'], array[%s::bigint])", epoch) < 100
+    assert scalar(db, "select status from flowly.runs where id = 'mine too'") == "pending"
 
 
 def test_a_plan_made_on_empty_tables_does_not_scan_them_once_they_grow(
