@@ -14,6 +14,8 @@
 -- a sequential scan chosen then stays, growing with the table, until something invalidates
 -- the plan. They never need one, so they may not use one.
 
+-- checkpoint_steps as in 0003 (each item fenced on its own, busy or lease_lost never waited
+-- for, the stored output returned); its runs locked by id alone, as above.
 create or replace function checkpoint_steps(
     p_run_ids text[], p_epochs bigint[], p_names text[], p_outputs jsonb[],
     p_started_at timestamptz[], p_compensable boolean[], p_positions integer[]
@@ -110,6 +112,8 @@ begin
 end
 $$;
 
+-- complete_runs as in 0003 (runs completed with their output, lease dropped; busy or
+-- lease_lost items change nothing); its runs locked by id alone, as above.
 create or replace function complete_runs(p_run_ids text[], p_epochs bigint[], p_outputs jsonb[])
 returns table (run_id text, lease_lost boolean, busy boolean)
 language plpgsql
