@@ -5,7 +5,7 @@ finished-run trigger disabled:
 
     python bench/batch_cost.py --batch 128
     python bench/batch_cost.py --sql \
-        "alter table flowly.runs disable trigger runs_count_finished_updates"
+        "alter table flowly.runs disable trigger runs_note_finished"
 """
 
 from __future__ import annotations

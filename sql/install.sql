@@ -98,6 +98,12 @@ select not exists (select from schema_migrations where version = 11) as apply_mi
     insert into schema_migrations (version, name) values (11, '0011_writes_by_key');
 \endif
 
+select not exists (select from schema_migrations where version = 12) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0012_finishing_in_bulk.sql
+    insert into schema_migrations (version, name) values (12, '0012_finishing_in_bulk');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

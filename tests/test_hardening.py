@@ -525,6 +525,41 @@ def test_run_counts_stay_exact_without_reading_finished_history(
         assert "runs" not in seq_scanned(db, f"select * from flowly.{view}"), view
 
 
+def test_runs_finished_together_are_booked_together(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """One complete_runs of 30 runs: one count delta per workflow, not one per run; the runs
+    waiting on any of them all woken; one finished notification per run, for Client.wait."""
+    ids = [f"r{i}" for i in range(30)]
+    for run_id in ids:
+        db.execute("select flowly.start(%s, run_id => %s)",
+                   ("wf-even" if int(run_id[1:]) % 2 else "wf-odd", run_id))
+    for target in ("r3", "r4", "r5"):
+        waiter = f"waits-on-{target}"
+        db.execute("select flowly.start('waiter', run_id => %s,"
+                   " scheduled_for => now() + interval '1 day')", (waiter,))
+        db.execute("insert into flowly.waits (run_id, step, kind, target)"
+                   " values (%s, 'wait', 'run', %s)", (waiter, target))
+    epochs = dict(db.execute(
+        "select run_id, lease_epoch from flowly.claim('w', array['wf-even', 'wf-odd'],"
+        " array['default'], 30, '1 hour')").fetchall())
+    db.execute("delete from flowly.run_count_deltas")
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        channel = scalar(listener, "select flowly.finished_channel()")
+        listener.execute(psycopg.sql.SQL("listen {}").format(psycopg.sql.Identifier(channel)))
+        rows = db.execute("select * from flowly.complete_runs(%s, %s, %s::jsonb[])",
+                          (ids, [epochs[r] for r in ids], ["1"] * 30)).fetchall()
+        assert all(not lost and not busy for _, lost, busy in rows)
+        notified = [n.payload for n in listener.notifies(timeout=2, stop_after=30)]
+    assert sorted(notified) == sorted(ids)
+    deltas = db.execute("select workflow, delta from flowly.run_count_deltas"
+                        " order by workflow").fetchall()
+    assert deltas == [("wf-even", 15), ("wf-odd", 15)]
+    woken = db.execute("select id from flowly.runs where id like 'waits-on-%%'"
+                       " and scheduled_for <= now() order by id").fetchall()
+    assert woken == [("waits-on-r3",), ("waits-on-r4",), ("waits-on-r5",)]
+
+
 def test_stopping_a_busy_worker_always_ends_its_background_loops(
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:
