@@ -560,6 +560,40 @@ def test_runs_finished_together_are_booked_together(
     assert woken == [("waits-on-r3",), ("waits-on-r4",), ("waits-on-r5",)]
 
 
+def test_the_hot_calls_run_no_update_of_runs_that_changes_nothing(
+    db: psycopg.Connection[Any]
+) -> None:
+    """Every update statement of runs calls the finished-run trigger, even one that changes
+    no row. A checkpoint and the stalled-run sweep (every claim and heartbeat runs one) used
+    to run such an update at every call; now only the statements that change runs do."""
+    db.execute("create schema probe")
+    db.execute("create table probe.update_statements (n serial)")
+    db.execute("create function probe.count_update_statement() returns trigger"
+               " language plpgsql as $$ begin"
+               " insert into probe.update_statements default values; return null; end $$")
+    db.execute("create trigger count_updates after update on flowly.runs"
+               " for each statement execute function probe.count_update_statement()")
+
+    def updates(call: str, *params: Any) -> int:
+        db.execute("truncate probe.update_statements")
+        db.execute(call, params)
+        return int(scalar(db, "select count(*) from probe.update_statements"))
+
+    db.execute("select flowly.start('wf', run_id => 'r')")
+    db.execute("select flowly.register_worker('w', array['wf'], array['default'], '1 hour')")
+    assert updates("select flowly.claim('w', array['wf'], array['default'], 1,"
+                   " '1 hour')") == 1
+    epoch = scalar(db, "select lease_epoch from flowly.runs")
+    assert updates("select flowly.dead_letter_stalled_runs()") == 0
+    assert updates("select flowly.checkpoint_steps(array['r'], array[%s]::bigint[],"
+                   " array['s'], array['1'::jsonb], array[now()], array[false], array[1])",
+                   epoch) == 0
+    assert updates("select flowly.heartbeat('w', array['r'], array[%s]::bigint[],"
+                   " '1 hour')", epoch) == 1
+    assert updates("select flowly.complete_runs(array['r'], array[%s]::bigint[],"
+                   " array['1'::jsonb])", epoch) == 1
+
+
 def test_stopping_a_busy_worker_always_ends_its_background_loops(
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:
