@@ -104,6 +104,12 @@ select not exists (select from schema_migrations where version = 12) as apply_mi
     insert into schema_migrations (version, name) values (12, '0012_finishing_in_bulk');
 \endif
 
+select not exists (select from schema_migrations where version = 13) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0013_claim_history_by_run.sql
+    insert into schema_migrations (version, name) values (13, '0013_claim_history_by_run');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -273,6 +273,35 @@ def test_a_plan_made_on_empty_tables_does_not_scan_them_once_they_grow(
     assert scalar(db, "select count(*) from flowly.steps where run_id = 'early'") == 2
 
 
+def test_a_claim_planned_on_empty_tables_reads_only_its_runs_history(
+    db: psycopg.Connection[Any]
+) -> None:
+    """claim tells the worker whether each run has history to replay. Planned while steps
+    was small, that look was a hash of every step of every run, built at every claim: the
+    claims of a drain grew slower with every step the drain wrote."""
+    db.execute("select flowly.register_worker('w', array['quick'], array['default'], '1h')")
+    claim = "select * from flowly.claim('w', array['quick'], array['default'], 10, '1 hour')"
+    db.execute("select flowly.start('quick', run_id => 'early')")
+    db.execute(claim)  # plans it
+    db.execute("insert into flowly.runs (id, workflow, status, finished_at)"
+               " select 'old-' || g, 'quick', 'completed', now() from generate_series(1, 5000) g")
+    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
+               " select 'old-' || (g % 5000 + 1), 's' || g, nextval('flowly.step_seq'),"
+               " 'completed', '1', now() from generate_series(1, 20000) g")
+    for i in range(3):
+        db.execute("select flowly.start('quick', run_id => %s)", (f"new-{i}",))
+    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
+               " values ('new-0', 'a', nextval('flowly.step_seq'), 'completed', '1', now())")
+    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
+             " from pg_statio_user_tables where relid = 'flowly.steps'::regclass")
+    db.execute("select pg_stat_force_next_flush()")
+    before = scalar(db, reads)
+    history = dict((r[0], r[-1]) for r in db.execute(claim))
+    db.execute("select pg_stat_force_next_flush()")
+    assert scalar(db, reads) - before < 50
+    assert history == {"new-0": True, "new-1": False, "new-2": False}
+
+
 # --- exact replay ---------------------------------------------------------------------------
 
 def test_a_checkpoint_committed_while_claim_runs_is_replayed(
