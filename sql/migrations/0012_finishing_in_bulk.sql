@@ -1,5 +1,6 @@
 -- 0012_finishing_in_bulk: what a run's finishing sets off is done once per statement, not once
--- per run; a checkpoint's statement no longer updates runs when no run was taken over.
+-- per run; checkpoints and the stalled-run sweep no longer run updates of runs that change
+-- nothing.
 --
 -- 0004's counting and 0009's waking were row triggers: a complete_runs of 128 runs called two
 -- PL/pgSQL functions and ran three statements per run (a delta row, a look for waiters, a
@@ -7,6 +8,13 @@
 -- now does both for all the runs a statement finished: one aggregated delta row per workflow
 -- and status, one look for waiters, one wake_waiters, still one NOTIFY per run (Client.wait
 -- reads the run id from it).
+--
+-- 0004 chose row triggers over a statement trigger that joined the old and new transition
+-- tables by id: that join cost every update of runs (a claim of 128 runs: 38 against 29 us a
+-- run). This one never joins them: per workflow and status it counts the rows finished after
+-- minus those finished before, and the runs that just finished are those finished after
+-- except those finished, in the same status, before (a statement updates a row once). A claim
+-- pays the capture of its rows and two scans of them that find nothing (about 2 us a run).
 --
 -- A statement trigger with transition tables fires for every update of runs, and a statement
 -- that updates nothing still calls it: 20 to 30 microseconds a statement. Two updates of runs
