@@ -562,7 +562,7 @@ def test_runs_finished_together_are_booked_together(
     ids = [f"r{i}" for i in range(30)]
     for run_id in ids:
         db.execute("select flowly.start(%s, run_id => %s)",
-                   ("wf-even" if int(run_id[1:]) % 2 else "wf-odd", run_id))
+                   ("wf-odd" if int(run_id[1:]) % 2 else "wf-even", run_id))
     for target in ("r3", "r4", "r5"):
         waiter = f"waits-on-{target}"
         db.execute("select flowly.start('waiter', run_id => %s,"
