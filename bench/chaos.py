@@ -36,6 +36,7 @@ execution recorded itself with its lease epoch and the server's clock):
   its output (or its failure);
 - a transactional step's SQL committed exactly once, with its checkpoint;
 - an event wait returned the payload sent, or timed out when none was sent.
+- the dashboard's ``run_counts`` agrees with a count of ``flowly.runs`` per workflow and status.
 
 It prints the figures (and the ERROR lines of the worker logs, by cause) and exits 1 if an
 invariant failed, naming the runs (with their executions, checkpoints, the chaos around them
@@ -62,6 +63,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -646,7 +648,21 @@ def check(chaos: Chaos) -> Results:
             check_txn(res, run_id, exp["input"], txn_rows)
     for run_id, execs in res.execs.items():
         check_executions(res, run_id, execs, by_id)
+    check_run_counts(res, q)
     return res
+
+
+def check_run_counts(res: Results, q: Callable[..., list[Any]]) -> None:
+    """The dashboard's run_counts (finished runs counted by triggers as they finish, cancel,
+    dead-letter or retry, across the kills and restarts) agrees with a count of flowly.runs."""
+    exact = {(w, s): n for w, s, n in q(
+        "select workflow, status, count(*) from flowly.runs group by 1, 2")}
+    viewed = {(w, s): n for w, s, n in q("select workflow, status, runs from flowly.run_counts")}
+    for workflow, status in sorted(set(exact) | set(viewed)):
+        got, want = viewed.get((workflow, status), 0), exact.get((workflow, status), 0)
+        if got != want:
+            res.fail(f"run_counts:{workflow}/{status}",
+                     f"run_counts says {got} runs, flowly.runs holds {want}", "wrong run counts")
 
 
 def check_run(res: Results, run: dict[str, Any], exp: dict[str, Any], flaky_attempts: int) -> None:
@@ -869,6 +885,10 @@ def inject_faults(chaos: Chaos) -> dict[str, str]:
     if txn:  # a transactional step's SQL committed twice
         q("insert into public.chaos_txn (run_id, step, pid) values (%s, 't0', 0)", (txn[0][0],))
         faults[txn[0][0]] = "duplicated"
+    # a finished run counted twice
+    q("insert into flowly.run_count_deltas (workflow, status, delta)"
+      " values ('chaos.steps', 'completed', 1)")
+    faults["run_counts:chaos.steps/completed"] = "wrong run counts"
     for run_id, counter in faults.items():
         print(f"chaos: injected into {run_id}: {counter}")
     return faults
@@ -934,7 +954,7 @@ def report(chaos: Chaos, res: Results, injected: dict[str, str]) -> int:
           + "".join(f"\n                {n}x {text}" for text, n in errors.most_common(5)))
     checks = ["lost", "stuck", "duplicated", "innocent dead letters", "wrong final state",
               "fencing breaches", "inexact replay", "wrong children", "wrong events",
-              "unexpected", "lost runs"]
+              "unexpected", "lost runs", "wrong run counts"]
     print(f"invariants      {', '.join(f'{k} {c[k]}' for k in checks)}")
     if not NEWER_APIS:
         print("skipped         transactional steps, events and waits for runs (not in this"
