@@ -5,8 +5,8 @@
 -- built at every call, when it thinks the table small. claim keeps one generic plan per
 -- connection, often made when steps is nearly empty (a new install, a worker that starts
 -- with its queue): the plan stayed, and every claim then read every step of every run, so a
--- drain's claims grew slower with every step it wrote (a claim of 26 runs read 2,666 steps
--- 1.2 ms into its 2.2 ms; with 20,000 steps, 428 pages for a claim of 3 runs). A lateral
+-- drain's claims grew slower with every step it wrote (a claim of 26 runs read 2,666 steps,
+-- 1.2 of its 2.2 ms; with 20,000 steps, 428 pages for a claim of 3 runs). A lateral
 -- subquery with limit 1 cannot be hashed: it probes the index of each table per run and
 -- stops at the first row.
 
