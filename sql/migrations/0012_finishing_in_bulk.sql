@@ -42,25 +42,29 @@ as $$
 declare
     v_finished text[];
 begin
-    insert into run_count_deltas (workflow, status, delta)
-    select d.workflow, d.status, sum(d.delta)
-    from (
-        select n.workflow, n.status, 1 as delta from new_runs n
+    -- each transition table read once; the counts written by the same statement
+    with finished_after as (
+        select n.id, n.workflow, n.status from new_runs n
         where n.status in ('completed', 'dead_letter', 'cancelled')
-        union all
-        select o.workflow, o.status, -1 from old_runs o
+    ), finished_before as (
+        select o.id, o.workflow, o.status from old_runs o
         where o.status in ('completed', 'dead_letter', 'cancelled')
-    ) d
-    group by d.workflow, d.status
-    having sum(d.delta) <> 0;
-
+    ), counted as (
+        insert into run_count_deltas (workflow, status, delta)
+        select d.workflow, d.status, sum(d.delta)
+        from (
+            select a.workflow, a.status, 1 as delta from finished_after a
+            union all
+            select b.workflow, b.status, -1 from finished_before b
+        ) d
+        group by d.workflow, d.status
+        having sum(d.delta) <> 0
+    )
     select array_agg(f.id) into v_finished
     from (
-        select n.id, n.status from new_runs n
-        where n.status in ('completed', 'dead_letter', 'cancelled')
+        select a.id, a.status from finished_after a
         except all
-        select o.id, o.status from old_runs o
-        where o.status in ('completed', 'dead_letter', 'cancelled')
+        select b.id, b.status from finished_before b
     ) f;
     if v_finished is null then
         return null;
