@@ -135,3 +135,17 @@ def seq_scanned(conn: psycopg.Connection[Any], query: str, *params: Any) -> set[
     assert plan is not None
     return {node["Relation Name"] for node in plan_nodes(plan[0][0]["Plan"])
             if node["Node Type"] == "Seq Scan"}
+
+
+def pages_read(conn: psycopg.Connection[Any], table: str, query: str,
+               *params: Any) -> tuple[int, list[Any]]:
+    """Run ``query``; return how many pages of ``table`` (heap and indexes, cache hits
+    included) it read, and its rows."""
+    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
+             " from pg_statio_user_tables where relid = %s::regclass")
+    conn.execute("select pg_stat_force_next_flush()")
+    before = scalar(conn, reads, table)
+    cursor = conn.execute(query, params)
+    rows = cursor.fetchall() if cursor.description else []
+    conn.execute("select pg_stat_force_next_flush()")
+    return int(scalar(conn, reads, table) - before), rows

@@ -19,7 +19,7 @@ import pytest
 import flowly
 from flowly.worker.step_threads import StepThreads
 from tests import workflows
-from tests.support import running_worker, scalar, seq_scanned, wait_for
+from tests.support import pages_read, running_worker, scalar, seq_scanned, wait_for
 
 
 @pytest.fixture
@@ -200,14 +200,9 @@ def test_runs_of_a_workflow_nobody_serves_do_not_slow_other_claims(
     db.execute("insert into flowly.runs (id, workflow, scheduled_for)"
                " select 'backlog-' || g, 'quick', now() from generate_series(1, 2000) g")
     db.execute("analyze flowly.runs")
-    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
-             " from pg_statio_user_tables where relid = 'flowly.runs'::regclass")
-    db.execute("select pg_stat_force_next_flush()")
-    before = scalar(db, reads)
-    db.execute("select flowly.claim('w', array['quick', 'echo'], array['default', 'other'], 3,"
-               " '1 minute')")
-    db.execute("select pg_stat_force_next_flush()")
-    assert scalar(db, reads) - before < 400  # over 1,000 when it read past the typos
+    pages, _ = pages_read(db, "flowly.runs", "select flowly.claim('w', array['quick', 'echo'],"
+                          " array['default', 'other'], 3, '1 minute')")
+    assert pages < 400  # over 1,000 when it read past the typos
     claimed = db.execute("select id from flowly.runs where locked_by = 'w'"
                          " order by scheduled_for").fetchall()
     assert [c[0] for c in claimed] == served[:3]
@@ -230,23 +225,18 @@ def test_a_worker_s_writes_do_not_read_the_runs_other_workers_hold(
                " locked_until = now() + interval '1 hour' where id like 'other-%%'"
                " and right(id, 1) in ('1', '4', '7')")
     epoch = _claim_one(db, "quick", "mine")
-    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
-             " from pg_statio_user_tables where relid = 'flowly.runs'::regclass")
 
-    def pages_read(call: str, *params: Any) -> int:
-        db.execute("select pg_stat_force_next_flush()")
-        before = scalar(db, reads)
-        db.execute(call, params)
-        db.execute("select pg_stat_force_next_flush()")
-        return int(scalar(db, reads) - before)
+    def runs_pages_read(call: str, *params: Any) -> int:
+        return pages_read(db, "flowly.runs", call, *params)[0]
 
-    assert pages_read("select * from flowly.heartbeat('w', array['mine'], array[%s::bigint],"
-                      " '1 hour')", epoch) < 100
-    assert pages_read("select flowly.checkpoint('mine', %s, 'a', '1')", epoch) < 100
-    assert pages_read("select flowly.complete('mine', %s, '2')", epoch) < 100
+    assert runs_pages_read("select * from flowly.heartbeat('w', array['mine'],"
+                           " array[%s::bigint], '1 hour')", epoch) < 100
+    assert runs_pages_read("select flowly.checkpoint('mine', %s, 'a', '1')", epoch) < 100
+    assert runs_pages_read("select flowly.complete('mine', %s, '2')", epoch) < 100
     assert scalar(db, "select status from flowly.runs where id = 'mine'") == "completed"
     epoch = _claim_one(db, "quick", "mine too")
-    assert pages_read("select flowly.release(array['mine too'], array[%s::bigint])", epoch) < 100
+    assert runs_pages_read("select flowly.release(array['mine too'], array[%s::bigint])",
+                           epoch) < 100
     assert scalar(db, "select status from flowly.runs where id = 'mine too'") == "pending"
 
 
@@ -258,18 +248,10 @@ def test_a_plan_made_on_empty_tables_does_not_scan_them_once_they_grow(
     (one drain used to read 3 million rows of steps, a sequential scan per checkpoint)."""
     epoch = _claim_one(db, "quick", "early")
     db.execute("select flowly.checkpoint('early', %s, 'a', '1')", (epoch,))  # plans it
-    db.execute("insert into flowly.runs (id, workflow, status, finished_at)"
-               " select 'old-' || g, 'quick', 'completed', now() from generate_series(1, 5000) g")
-    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
-               " select 'old-' || (g % 5000 + 1), 's' || g, nextval('flowly.step_seq'),"
-               " 'completed', '1', now() from generate_series(1, 20000) g")
-    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
-             " from pg_statio_user_tables where relid = 'flowly.steps'::regclass")
-    db.execute("select pg_stat_force_next_flush()")
-    before = scalar(db, reads)
-    db.execute("select flowly.checkpoint('early', %s, 'b', '2')", (epoch,))
-    db.execute("select pg_stat_force_next_flush()")
-    assert scalar(db, reads) - before < 50
+    _write_finished_history(db)
+    pages, _ = pages_read(db, "flowly.steps", "select flowly.checkpoint('early', %s, 'b', '2')",
+                          epoch)
+    assert pages < 50
     assert scalar(db, "select count(*) from flowly.steps where run_id = 'early'") == 2
 
 
@@ -283,23 +265,23 @@ def test_a_claim_planned_on_empty_tables_reads_only_its_runs_history(
     claim = "select * from flowly.claim('w', array['quick'], array['default'], 10, '1 hour')"
     db.execute("select flowly.start('quick', run_id => 'early')")
     db.execute(claim)  # plans it
+    _write_finished_history(db)
+    for i in range(3):
+        db.execute("select flowly.start('quick', run_id => %s)", (f"new-{i}",))
+    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
+               " values ('new-0', 'a', nextval('flowly.step_seq'), 'completed', '1', now())")
+    pages, claimed = pages_read(db, "flowly.steps", claim)
+    assert pages < 50
+    assert {r[0]: r[-1] for r in claimed} == {"new-0": True, "new-1": False, "new-2": False}
+
+
+def _write_finished_history(db: psycopg.Connection[Any]) -> None:
+    """5,000 finished runs with 20,000 steps."""
     db.execute("insert into flowly.runs (id, workflow, status, finished_at)"
                " select 'old-' || g, 'quick', 'completed', now() from generate_series(1, 5000) g")
     db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
                " select 'old-' || (g % 5000 + 1), 's' || g, nextval('flowly.step_seq'),"
                " 'completed', '1', now() from generate_series(1, 20000) g")
-    for i in range(3):
-        db.execute("select flowly.start('quick', run_id => %s)", (f"new-{i}",))
-    db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
-               " values ('new-0', 'a', nextval('flowly.step_seq'), 'completed', '1', now())")
-    reads = ("select sum(heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read)"
-             " from pg_statio_user_tables where relid = 'flowly.steps'::regclass")
-    db.execute("select pg_stat_force_next_flush()")
-    before = scalar(db, reads)
-    history = dict((r[0], r[-1]) for r in db.execute(claim))
-    db.execute("select pg_stat_force_next_flush()")
-    assert scalar(db, reads) - before < 50
-    assert history == {"new-0": True, "new-1": False, "new-2": False}
 
 
 # --- exact replay ---------------------------------------------------------------------------
