@@ -571,6 +571,55 @@ def test_runs_finished_together_are_booked_together(
     assert woken == [("waits-on-r3",), ("waits-on-r4",), ("waits-on-r5",)]
 
 
+def test_a_run_held_by_another_session_stays_out_of_its_batch_s_bookkeeping(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """An operator's open transaction holds one run's row while complete_runs finishes a
+    batch: the held run comes back busy and is neither counted, announced nor allowed to wake
+    its waiter; the others are. The operator then cancels it: the worker's next try is refused
+    as lost, and the run is counted once, as cancelled."""
+    def counts() -> dict[tuple[str, str], tuple[int, int]]:
+        exact = {(w, s): n for w, s, n in db.execute(
+            "select workflow, status, count(*) from flowly.runs group by 1, 2")}
+        viewed = {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
+        return {key: (exact.get(key, 0), viewed.get(key, 0)) for key in exact | viewed}
+
+    ids = [f"r{i}" for i in range(6)]
+    for run_id in ids:
+        db.execute("select flowly.start('wf', run_id => %s)", (run_id,))
+    for target in ("r0", "r1"):
+        db.execute("select flowly.start('waiter', run_id => %s,"
+                   " scheduled_for => now() + interval '1 day')", (f"waits-on-{target}",))
+        db.execute("insert into flowly.waits (run_id, step, kind, target)"
+                   " values (%s, 'wait', 'run', %s)", (f"waits-on-{target}", target))
+    epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w', array['wf'],"
+                             " array['default'], 6, '1 hour')").fetchall())
+    with psycopg.connect(dsn, autocommit=True) as listener, psycopg.connect(dsn) as operator:
+        channel = scalar(listener, "select flowly.finished_channel()")
+        listener.execute(psycopg.sql.SQL("listen {}").format(psycopg.sql.Identifier(channel)))
+        operator.execute("select from flowly.runs where id = 'r0' for update")
+        rows = db.execute("select * from flowly.complete_runs(%s, %s, %s::jsonb[])",
+                          (ids, [epochs[r] for r in ids], ["1"] * 6)).fetchall()
+        assert {r: (lost, busy) for r, lost, busy in rows} == {
+            "r0": (False, True), **{r: (False, False) for r in ids[1:]}}
+        notified = [n.payload for n in listener.notifies(timeout=1, stop_after=6)]
+        assert sorted(notified) == ids[1:]
+        assert all(exact == viewed for exact, viewed in counts().values()), counts()
+        woken = db.execute("select id from flowly.runs where id like 'waits-on-%%'"
+                           " and scheduled_for <= now()").fetchall()
+        assert woken == [("waits-on-r1",)]
+
+        operator.execute("select flowly.cancel('r0')")
+        operator.commit()
+        rows = db.execute("select * from flowly.complete_runs(array['r0'], %s::bigint[],"
+                          " array['1'::jsonb])", ([epochs["r0"]],)).fetchall()
+        assert rows == [("r0", True, False)]
+    assert scalar(db, "select status from flowly.runs where id = 'r0'") == "cancelled"
+    assert counts()[("wf", "cancelled")] == (1, 1)
+    assert counts()[("wf", "completed")] == (5, 5)
+    assert all(exact == viewed for exact, viewed in counts().values()), counts()
+
+
 def test_the_hot_calls_run_no_update_of_runs_that_changes_nothing(
     db: psycopg.Connection[Any]
 ) -> None:
