@@ -15,13 +15,19 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/flowly demo
 
+# pytest processes running the suite side by side (pytest-xdist; each has its own databases):
+# most tests wait on workers and leases, so two halve the time even on two cores; 0 runs it in
+# this process alone
+TEST_WORKERS ?= 2
+
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # the same suite on the embedded PostgreSQL 18 (CI runs both), but for the packaging tests,
 # which test the wheel, not the server
 test-embedded: $(BIN)/.installed
-	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest -m "not packaging"
+	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest -n $(TEST_WORKERS) \
+	    -m "not packaging"
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check flowly tests bench examples
