@@ -309,7 +309,8 @@ def test_a_checkpoint_committed_while_claim_runs_is_replayed(
     db.execute("select flowly.start('three_steps', '{}', run_id => 'r0', priority => 1)")
     with running_worker(dsn):
         wait_for(lambda: scalar(db, "select count(*) from pg_stat_activity"
-                                    " where wait_event = 'PgSleep'"), what="claim under way")
+                                    " where datname = current_database()"
+                                    " and wait_event = 'PgSleep'"), what="claim under way")
         try:
             db.execute("select flowly.checkpoint('r1', %s, 'a', '{\"step\": \"a\", \"pid\": 0}')",
                        (epoch,))
