@@ -8,9 +8,11 @@ and a real PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -495,19 +497,40 @@ def test_sync_step_threads_never_exceed_the_limit() -> None:
     assert running <= 2 and waited
 
 
+def _assert_run_counts_exact(db: psycopg.Connection[Any]) -> dict[tuple[str, str], int]:
+    """Check that the run_counts view says what a count of flowly.runs says; return the counts
+    per (workflow, status)."""
+    exact = {(w, s): n for w, s, n in db.execute(
+        "select workflow, status, count(*) from flowly.runs group by 1, 2")}
+    viewed = {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
+    assert viewed == exact
+    return exact
+
+
+def _waiting_on(db: psycopg.Connection[Any], target: str) -> None:
+    """Start run ``waits-on-<target>``, parked on run ``target`` (due only when woken)."""
+    waiter = f"waits-on-{target}"
+    db.execute("select flowly.start('waiter', run_id => %s,"
+               " scheduled_for => now() + interval '1 day')", (waiter,))
+    db.execute("insert into flowly.waits (run_id, step, kind, target)"
+               " values (%s, 'wait', 'run', %s)", (waiter, target))
+
+
+@contextlib.contextmanager
+def _listening_for_finished_runs(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection listening on the channel that announces finished runs."""
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        channel = scalar(listener, "select flowly.finished_channel()")
+        listener.execute(psycopg.sql.SQL("listen {}").format(psycopg.sql.Identifier(channel)))
+        yield listener
+
+
 def test_run_counts_stay_exact_without_reading_finished_history(
     db: psycopg.Connection[Any]
 ) -> None:
     """run_counts agrees with a full count through every kind of transition (completion,
     cancel, dead letter, retry, a purge, rows inserted finished), before and after the
     counters are folded, and its plan never scans runs."""
-    def exact() -> dict[tuple[str, str], int]:
-        return {(w, s): n for w, s, n in db.execute(
-            "select workflow, status, count(*) from flowly.runs group by 1, 2")}
-
-    def viewed() -> dict[tuple[str, str], int]:
-        return {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
-
     db.execute("""
         insert into flowly.runs (id, workflow, status, finished_at, output)
         select 'old-' || g, 'wf', 'completed', now() - interval '2 days', '1'
@@ -516,20 +539,20 @@ def test_run_counts_stay_exact_without_reading_finished_history(
         db.execute("select flowly.start('wf', run_id => %s)", (f"r{i}",))
     epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w', array['wf'],"
                              " array['default'], 5, '1 hour')").fetchall())
-    assert viewed() == exact()
+    _assert_run_counts_exact(db)
     db.execute("select flowly.complete_runs(%s, %s, %s::jsonb[])",
                (["r0", "r1", "r2"], [epochs[r] for r in ("r0", "r1", "r2")], ["1"] * 3))
     db.execute("select flowly.cancel('r3')")
     db.execute("select flowly.fail_step('r4', %s, 's', '{\"message\": \"no\"}', now(), 1,"
                " 'fixed', 1, 1)", (epochs["r4"],))
-    assert viewed() == exact()
+    _assert_run_counts_exact(db)
     db.execute("select flowly.fold_run_counts()")
-    assert viewed() == exact()
+    _assert_run_counts_exact(db)
     db.execute("select flowly.retry_dead_letter('r4')")
     db.execute("delete from flowly.runs where id like 'old-1%'")
-    assert viewed() == exact()
+    _assert_run_counts_exact(db)
     db.execute("select flowly.fold_run_counts()")
-    assert viewed() == exact()
+    _assert_run_counts_exact(db)
     assert scalar(db, "select count(*) from flowly.run_count_deltas") == 0
 
     db.execute("analyze flowly.runs")
@@ -547,18 +570,12 @@ def test_runs_finished_together_are_booked_together(
         db.execute("select flowly.start(%s, run_id => %s)",
                    ("wf-odd" if int(run_id[1:]) % 2 else "wf-even", run_id))
     for target in ("r3", "r4", "r5"):
-        waiter = f"waits-on-{target}"
-        db.execute("select flowly.start('waiter', run_id => %s,"
-                   " scheduled_for => now() + interval '1 day')", (waiter,))
-        db.execute("insert into flowly.waits (run_id, step, kind, target)"
-                   " values (%s, 'wait', 'run', %s)", (waiter, target))
+        _waiting_on(db, target)
     epochs = dict(db.execute(
         "select run_id, lease_epoch from flowly.claim('w', array['wf-even', 'wf-odd'],"
         " array['default'], 30, '1 hour')").fetchall())
     db.execute("delete from flowly.run_count_deltas")
-    with psycopg.connect(dsn, autocommit=True) as listener:
-        channel = scalar(listener, "select flowly.finished_channel()")
-        listener.execute(psycopg.sql.SQL("listen {}").format(psycopg.sql.Identifier(channel)))
+    with _listening_for_finished_runs(dsn) as listener:
         rows = db.execute("select * from flowly.complete_runs(%s, %s, %s::jsonb[])",
                           (ids, [epochs[r] for r in ids], ["1"] * 30)).fetchall()
         assert all(not lost and not busy for _, lost, busy in rows)
@@ -579,25 +596,14 @@ def test_a_run_held_by_another_session_stays_out_of_its_batch_s_bookkeeping(
     batch: the held run comes back busy and is neither counted, announced nor allowed to wake
     its waiter; the others are. The operator then cancels it: the worker's next try is refused
     as lost, and the run is counted once, as cancelled."""
-    def counts() -> dict[tuple[str, str], tuple[int, int]]:
-        exact = {(w, s): n for w, s, n in db.execute(
-            "select workflow, status, count(*) from flowly.runs group by 1, 2")}
-        viewed = {(w, s): n for w, s, n in db.execute("select * from flowly.run_counts")}
-        return {key: (exact.get(key, 0), viewed.get(key, 0)) for key in exact | viewed}
-
     ids = [f"r{i}" for i in range(6)]
     for run_id in ids:
         db.execute("select flowly.start('wf', run_id => %s)", (run_id,))
     for target in ("r0", "r1"):
-        db.execute("select flowly.start('waiter', run_id => %s,"
-                   " scheduled_for => now() + interval '1 day')", (f"waits-on-{target}",))
-        db.execute("insert into flowly.waits (run_id, step, kind, target)"
-                   " values (%s, 'wait', 'run', %s)", (f"waits-on-{target}", target))
+        _waiting_on(db, target)
     epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w', array['wf'],"
                              " array['default'], 6, '1 hour')").fetchall())
-    with psycopg.connect(dsn, autocommit=True) as listener, psycopg.connect(dsn) as operator:
-        channel = scalar(listener, "select flowly.finished_channel()")
-        listener.execute(psycopg.sql.SQL("listen {}").format(psycopg.sql.Identifier(channel)))
+    with _listening_for_finished_runs(dsn) as listener, psycopg.connect(dsn) as operator:
         operator.execute("select from flowly.runs where id = 'r0' for update")
         rows = db.execute("select * from flowly.complete_runs(%s, %s, %s::jsonb[])",
                           (ids, [epochs[r] for r in ids], ["1"] * 6)).fetchall()
@@ -605,7 +611,7 @@ def test_a_run_held_by_another_session_stays_out_of_its_batch_s_bookkeeping(
             "r0": (False, True), **{r: (False, False) for r in ids[1:]}}
         notified = [n.payload for n in listener.notifies(timeout=1, stop_after=6)]
         assert sorted(notified) == ids[1:]
-        assert all(exact == viewed for exact, viewed in counts().values()), counts()
+        _assert_run_counts_exact(db)
         woken = db.execute("select id from flowly.runs where id like 'waits-on-%%'"
                            " and scheduled_for <= now()").fetchall()
         assert woken == [("waits-on-r1",)]
@@ -616,9 +622,8 @@ def test_a_run_held_by_another_session_stays_out_of_its_batch_s_bookkeeping(
                           " array['1'::jsonb])", ([epochs["r0"]],)).fetchall()
         assert rows == [("r0", True, False)]
     assert scalar(db, "select status from flowly.runs where id = 'r0'") == "cancelled"
-    assert counts()[("wf", "cancelled")] == (1, 1)
-    assert counts()[("wf", "completed")] == (5, 5)
-    assert all(exact == viewed for exact, viewed in counts().values()), counts()
+    counts = _assert_run_counts_exact(db)
+    assert counts[("wf", "cancelled")] == 1 and counts[("wf", "completed")] == 5
 
 
 def test_the_hot_calls_run_no_update_of_runs_that_changes_nothing(
