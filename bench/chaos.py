@@ -35,7 +35,7 @@ execution recorded itself with its lease epoch and the server's clock):
 - parents started exactly their children, once each, and a parent waiting for a child got
   its output (or its failure);
 - a transactional step's SQL committed exactly once, with its checkpoint;
-- an event wait returned the payload sent, or timed out when none was sent.
+- an event wait returned the payload sent, or timed out when none was sent;
 - the dashboard's ``run_counts`` agrees with a count of ``flowly.runs`` per workflow and status.
 
 It prints the figures (and the ERROR lines of the worker logs, by cause) and exits 1 if an
