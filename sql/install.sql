@@ -110,6 +110,18 @@ select not exists (select from schema_migrations where version = 13) as apply_mi
     insert into schema_migrations (version, name) values (13, '0013_claim_history_by_run');
 \endif
 
+select not exists (select from schema_migrations where version = 14) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0014_wakeups_never_lost.sql
+    insert into schema_migrations (version, name) values (14, '0014_wakeups_never_lost');
+\endif
+
+select not exists (select from schema_migrations where version = 15) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0015_runs_that_depend_on_runs.sql
+    insert into schema_migrations (version, name) values (15, '0015_runs_that_depend_on_runs');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -344,6 +344,8 @@ class Worker:
                     self._purge_loop(timedelta(seconds=self.purge_after)), name="flowly-purge"))
             background.append(asyncio.create_task(self._tick_schedules(),
                                                   name="flowly-schedules"))
+            background.append(asyncio.create_task(self._apply_missed_wakeups(),
+                                                  name="flowly-missed-wakeups"))
             await self._claim_loop()
             await self._drain()
         finally:
@@ -473,6 +475,19 @@ class Worker:
                                "schedule %s, fire time %s: %s", name, fire_at, outcome)
             except Exception as exc:  # the next tick may get through
                 logger.warning("ticking the cron schedules failed: %s", exc)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _apply_missed_wakeups(self) -> None:
+        """Make due, about every poll_interval, the parked runs whose wake-up found their row
+        locked by another transaction (wake_missed_waiters). Any worker may: each wake-up is
+        taken with skip locked."""
+        while True:
+            try:
+                (settled,), = await self._call(self._calls.wake_missed_waiters, None)
+                if settled:
+                    logger.info("applied %d wake-up(s) that had found their run busy", settled)
+            except Exception as exc:  # the next round may get through
+                logger.warning("applying missed wake-ups failed: %s", exc)
             await asyncio.sleep(self.poll_interval)
 
     async def _drain(self) -> None:

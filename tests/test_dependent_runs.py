@@ -1,0 +1,297 @@
+"""Where one run depends on another (waits for events and other runs, children): races of
+waking and parking, and what purge, cancel and retry_dead_letter do to the runs that depend."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from flowly.db import translated_errors
+from tests.support import running_worker, scalar
+
+# whether dep_child fails, per run of dep_parent
+_CHILD_FAILS: dict[str, bool] = {}
+
+
+@flowly.workflow("dep_child", max_attempts=1)
+async def dep_child(ctx: flowly.Context, inp: Any) -> Any:
+    def work() -> str:
+        if _CHILD_FAILS.get(inp):
+            raise ValueError("child broken")
+        return "child ok"
+
+    return await ctx.step("work", work, retry=flowly.Retry(max_attempts=1))
+
+
+@flowly.workflow("dep_parent", max_attempts=1)
+async def dep_parent(ctx: flowly.Context, inp: Any) -> Any:
+    return await ctx.run("dep_child", ctx.run_id)
+
+
+def _claim(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dict[str, int]:
+    return dict(db.execute(
+        "select run_id, lease_epoch from flowly.claim('w', array[%s], array['default'], %s,"
+        " '1 hour')", (workflow, limit)).fetchall())
+
+
+def _park_on_run(db: psycopg.Connection[Any], waiter: str, epoch: int, target: str) -> Any:
+    """The worker's two calls for `await ctx.wait_for_run(target)`: register, then park."""
+    outcome = scalar(db, "select outcome from flowly.wait_for_run(%s, %s, %s, %s)",
+                     waiter, epoch, f"run:{target}", target)
+    assert outcome == "waiting"
+    return scalar(db, "select flowly.park(%s, %s, array[%s])", waiter, epoch, f"run:{target}")
+
+
+def _due(db: psycopg.Connection[Any], run_id: str) -> bool:
+    return bool(scalar(db, "select status = 'pending' and scheduled_for <= now()"
+                           " from flowly.runs where id = %s", run_id))
+
+
+def test_a_child_finished_by_a_transaction_in_flight_still_wakes_its_waiting_parent(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """An operator cancels the child in an open transaction (`begin; select flowly.cancel(..)`)
+    while the parent registers its wait and parks: the trigger that wakes waiters cannot see
+    the wait, and park cannot see the finish. park reports the parent busy while the child's
+    row is held; once the operator commits, park sees the child finished and the parent is
+    due, not parked until 9999-12-31."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c')")
+    epoch = _claim(db, "parent")["p"]
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select flowly.cancel('c')")  # the trigger finds no waiter yet
+        assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                      epoch) == "waiting"
+        with pytest.raises(flowly.RunBusy, match="a run it waits for"):
+            with translated_errors():
+                db.execute("select flowly.park('p', %s, array['run:c'])", (epoch,))
+        operator.commit()
+    assert scalar(db, "select status from flowly.runs where id = 'c'") == "cancelled"
+    assert scalar(db, "select flowly.park('p', %s, array['run:c'])", epoch) is not None
+    assert _due(db, "p")
+
+
+def test_a_finish_that_starts_after_park_locked_its_target_sees_the_wait(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The other order: park share-locks the child's row first, so a completion batch racing
+    it reports the child busy and finishes it after park committed, waking the parent."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c')")
+    epoch = _claim(db, "parent")["p"]
+    c_epoch = _claim(db, "child")["c"]
+    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                  epoch) == "waiting"
+    with psycopg.connect(dsn) as parking, psycopg.connect(dsn, autocommit=True) as worker:
+        assert scalar(parking, "select flowly.park('p', %s, array['run:c'])", epoch) is None
+        busy = worker.execute("select busy from flowly.complete_runs(array['c'], %s::bigint[],"
+                              " array['1']::jsonb[])", ([c_epoch],)).fetchone()
+        assert busy == (True,)
+        parking.commit()
+        worker.execute("select flowly.complete_runs(array['c'], %s::bigint[],"
+                       " array['1']::jsonb[])", ([c_epoch],))
+    assert _due(db, "p")
+
+
+def test_a_waiter_locked_elsewhere_does_not_stall_completions_of_other_runs(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """Run W waits for run C. An operator holds W's row (an open `select flowly.cancel('W')`).
+    A worker's group commit then completes C and an unrelated run X: no engine call on the
+    worker's path may wait for a lock on a run, so X (and C) complete at once."""
+    db.execute("select flowly.start('wf', run_id => 'c')")
+    db.execute("select flowly.start('wf', run_id => 'x')")
+    db.execute("select flowly.start('waiter', run_id => 'w')")
+    epochs = _claim(db, "wf")
+    w_epoch = _claim(db, "waiter")["w"]
+    _park_on_run(db, "w", w_epoch, "c")
+    with psycopg.connect(dsn) as operator, psycopg.connect(dsn, autocommit=True) as worker:
+        operator.execute("select flowly.cancel('w')")
+        worker.execute("set lock_timeout = '2s'")  # as the worker's sessions have it
+        started = time.monotonic()
+        try:
+            rows = worker.execute(
+                "select * from flowly.complete_runs(array['c', 'x'], %s::bigint[],"
+                " array['1', '2']::jsonb[])", ([epochs["c"], epochs["x"]],)).fetchall()
+            error = None
+        except psycopg.Error as exc:
+            rows, error = [], exc
+        took = time.monotonic() - started
+        operator.rollback()
+    assert error is None, (f"complete_runs of c and x failed after {took:.1f}s:"
+                           f" {error.sqlstate} {error}")
+    assert took < 1, f"complete_runs waited {took:.1f}s for the waiter's row"
+    assert {r[0]: (r[1], r[2]) for r in rows} == {"c": (False, False), "x": (False, False)}
+    # the wake-up that found w's row locked is applied once the row is free
+    assert not _due(db, "w")
+    assert scalar(db, "select flowly.wake_missed_waiters()") == 1
+    assert _due(db, "w")
+    assert scalar(db, "select count(*) from flowly.missed_wakeups") == 0
+
+
+def test_purge_keeps_a_finished_run_that_an_unfinished_run_waits_for(
+    db: psycopg.Connection[Any]
+) -> None:
+    """Parent p waits for child c; c completes (p is woken); purge runs before a worker gets
+    to p. Purge must not take the result p is about to read: p's wait must still answer."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c', parent_run_id => 'p')")
+    epoch = _claim(db, "parent")["p"]
+    _park_on_run(db, "p", epoch, "c")
+    c_epoch = _claim(db, "child")["c"]
+    db.execute("select flowly.complete('c', %s, '42')", (c_epoch,))
+    assert _due(db, "p")
+    purged = scalar(db, "select flowly.purge('0 seconds')")
+    epoch = _claim(db, "parent")["p"]
+    try:
+        row = db.execute("select outcome, status, output from flowly.wait_for_run('p', %s,"
+                         " 'run:c', 'c')", (epoch,)).fetchone()
+    except psycopg.Error as exc:
+        pytest.fail(f"purge deleted {purged} run(s); the waiting parent's wait then fails:"
+                    f" {exc.sqlstate} {exc}")
+    assert row == ("finished", "completed", 42)
+
+
+def test_an_event_sent_after_the_wait_timed_out_does_not_count(
+    db: psycopg.Connection[Any]
+) -> None:
+    """A wait with a 0.2 s timeout is registered and parked; no worker is around until well
+    after the deadline, and an event is sent after it. The wait timed out (its deadline is
+    written once and never moves): the late event must not be taken as arriving in time."""
+    db.execute("select flowly.start('waiter', run_id => 'r')")
+    epoch = _claim(db, "waiter")["r"]
+    assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go',"
+                      " 0.2)", epoch) == "waiting"
+    db.execute("select flowly.park('r', %s, array['event:go'])", (epoch,))
+    time.sleep(0.5)  # the deadline passes; no worker claims the run meanwhile
+    db.execute("select flowly.send_event('r', 'go', '\"late\"')")
+    assert scalar(db, "select timeout_at < now() from flowly.waits where run_id = 'r'")
+    epoch = _claim(db, "waiter")["r"]
+    outcome = db.execute("select * from flowly.wait_for_event('r', %s, 'event:go', 'go', 0.2)",
+                         (epoch,)).fetchone()
+    assert outcome == ("timeout", None), (
+        f"an event sent after the deadline was received: {outcome}")
+
+
+def test_cancel_of_a_parent_whose_child_row_is_held_reports_run_busy(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """cancel waits at most 5 s for a row another transaction holds, then raises WF005
+    (flowly.RunBusy). That holds for the descendants it cancels too, not only the run named."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c', parent_run_id => 'p')")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select from flowly.runs where id = 'c' for update")
+        started = time.monotonic()
+        with pytest.raises(psycopg.Error) as info:
+            db.execute("select flowly.cancel('p')")
+        took = time.monotonic() - started
+        operator.rollback()
+    assert took < 7
+    assert info.value.sqlstate == "WF005", f"{info.value.sqlstate}: {info.value}"
+
+
+def test_retrying_a_parent_after_its_failed_child_was_retried_can_succeed(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The child dead-letters, so the parent (ChildFailed) does too. The operator fixes the
+    cause and retries the child, which completes, then retries the parent: the new generation
+    must be able to see the child's result instead of replaying the old failure forever."""
+    with flowly.Client(dsn) as client:
+        parent = client.start("dep_parent", None, run_id="dep-p")
+        _CHILD_FAILS[parent] = True
+        with running_worker(dsn, workflows=[dep_parent, dep_child]):
+            assert client.wait(parent, timeout=30).status == "dead_letter"
+            child = scalar(db, "select id from flowly.runs where parent_run_id = %s", parent)
+            assert client.get(child).status == "dead_letter"
+            _CHILD_FAILS[parent] = False
+            client.retry_dead_letter(child)
+            assert client.wait(child, timeout=30).status == "completed"
+            client.retry_dead_letter(parent)
+            run = client.wait(parent, timeout=30)
+    message = run.error and run.error["message"]
+    assert run.status == "completed", f"parent {run.status} again: {message}"
+    assert run.output == "child ok"
+
+
+def test_a_wait_recorded_as_timed_out_never_consumes_a_later_event(
+    db: psycopg.Connection[Any]
+) -> None:
+    """wait_for_event called again for a wait whose timeout is already recorded (a runtime
+    replaying from SQL) must answer the recorded timeout and leave a later event alone for the
+    next wait of that name."""
+    db.execute("select flowly.start('waiter', run_id => 'r')")
+    epoch = _claim(db, "waiter")["r"]
+    assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go',"
+                      " 0)", epoch) == "timeout"
+    db.execute("select flowly.send_event('r', 'go', '\"for the next wait\"')")
+    again = db.execute("select * from flowly.wait_for_event('r', %s, 'event:go', 'go', 0)",
+                       (epoch,)).fetchone()
+    consumed = scalar(db, "select consumed_by from flowly.events where run_id = 'r'")
+    recorded = scalar(db, "select output from flowly.steps where run_id = 'r'")
+    assert (again, consumed) == (("timeout", None), None), (
+        f"replayed wait answered {again}, recorded {recorded}, event consumed by {consumed}")
+
+
+def test_an_event_sent_in_an_open_transaction_between_wait_and_park_is_not_lost(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The wait is registered; the application sends the event in a transaction it has not
+    committed yet; the worker parks. After the commit the run must be due, not parked."""
+    db.execute("select flowly.start('waiter', run_id => 'r')")
+    epoch = _claim(db, "waiter")["r"]
+    assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go')",
+                  epoch) == "waiting"
+    with psycopg.connect(dsn) as app:
+        app.execute("select flowly.send_event('r', 'go', '1')")
+        with pytest.raises(psycopg.Error) as info:  # the event's row holds the run: busy
+            db.execute("select flowly.park('r', %s, array['event:go'])", (epoch,))
+        assert info.value.sqlstate == "WF005"
+        app.commit()
+    db.execute("select flowly.park('r', %s, array['event:go'])", (epoch,))
+    assert _due(db, "r")
+
+
+_RELEASE_CHILD = threading.Event()
+
+
+@flowly.workflow("dep_slow_child")
+async def dep_slow_child(ctx: flowly.Context, inp: Any) -> Any:
+    return await ctx.step("wait", lambda: _RELEASE_CHILD.wait(20) and "child done")
+
+
+@flowly.workflow("dep_waiting_parent")
+async def dep_waiting_parent(ctx: flowly.Context, inp: Any) -> Any:
+    return await ctx.run(dep_slow_child)
+
+
+def test_a_worker_applies_the_wake_up_that_found_the_parent_s_row_held(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """End to end: the parent is parked on its child; an operator holds the parent's row while
+    the child completes, then rolls back. The child's completion is not held up, and a
+    worker's poll wakes the parent once its row is free: the parent completes."""
+    _RELEASE_CHILD.clear()
+    with flowly.Client(dsn) as client, \
+            running_worker(dsn, workflows=[dep_waiting_parent, dep_slow_child]):
+        parent = client.start(dep_waiting_parent, run_id="dep-wp")
+        deadline = time.monotonic() + 20
+        while scalar(db, "select scheduled_for > now() + interval '1 day' from flowly.runs"
+                         " where id = %s", parent) is not True:
+            assert time.monotonic() < deadline, "the parent never parked on its child"
+            time.sleep(0.05)
+        child = scalar(db, "select id from flowly.runs where parent_run_id = %s", parent)
+        with psycopg.connect(dsn) as operator:
+            operator.execute("select from flowly.runs where id = %s for update", (parent,))
+            _RELEASE_CHILD.set()
+            assert client.wait(child, timeout=20).status == "completed"
+            assert scalar(db, "select count(*) from flowly.missed_wakeups") == 1
+            operator.rollback()
+        run = client.wait(parent, timeout=20)
+    assert (run.status, run.output) == ("completed", "child done")
+    assert scalar(db, "select count(*) from flowly.missed_wakeups") == 0
