@@ -28,7 +28,7 @@ from .errors import (
 )
 from .replay import ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
-from .workflow import START_OPTIONS, Workflow, WorkflowFn, lookup
+from .workflow import START_OPTIONS, Workflow, WorkflowFn, is_async, lookup
 
 T = TypeVar("T")
 Isolation = Literal["read committed", "repeatable read", "serializable"]
@@ -119,7 +119,11 @@ _BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
 def error_info(exc: BaseException) -> dict[str, Any]:
     """The JSON stored for a failure: exception type, message and a bounded traceback."""
     tb = "".join(traceback.format_exception(exc))
-    return {"type": type(exc).__qualname__, "message": jsonb_safe_text(str(exc)),
+    try:
+        message = str(exc)
+    except Exception as unprintable:  # the exception's own __str__ failed
+        message = f"<{type(exc).__qualname__}: str() raised {unprintable!r}>"
+    return {"type": type(exc).__qualname__, "message": jsonb_safe_text(message),
             "traceback": jsonb_safe_text(tb[-8000:])}
 
 
@@ -155,15 +159,26 @@ def now() -> datetime:
 async def call_user_function(store: RunStore, fn: Callable[..., Any], *args: Any) -> Any:
     """Await an async callable on the loop; run a sync one on the worker's threads.
 
-    Coroutine functions get no thread hop; a sync callable that returns an awaitable (a
-    lambda around an async call) has that awaitable awaited on the loop.
+    Async callables (``async def``, also behind functools.partial or as an async
+    ``__call__``) get no thread hop; a sync callable that returns an awaitable (a lambda
+    around an async call) has that awaitable awaited on the loop.
     """
-    if inspect.iscoroutinefunction(fn):
+    if is_async(fn):
         return await fn(*args)
     result = await store.call_blocking(fn, *args)
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+class UserCodeFailed(Exception):
+    """What user code run inside an engine call raised (a transactional step's function):
+    carried past run_write, which would otherwise take a user's OSError or lock timeout for
+    the database failing, so that it fails the step like any step's exception."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 class RefusedWrite(Exception):
@@ -179,7 +194,8 @@ async def run_write(
     A busy run (its row locked elsewhere, a lost serialization race) is tried again after a
     pause that grows, holding no connection meanwhile; a stale lease ends the body
     (LeaseLostInterrupt); a failed connection abandons the run until its lease expires
-    (RunAbandoned). Any other database error refused the call for its content: it is raised
+    (RunAbandoned). What user code inside the call raised (:class:`UserCodeFailed`) is raised
+    as itself. Any other database error refused the call for its content: it is raised
     as :class:`RefusedWrite` (a step fails with it, without retries), or as itself with
     ``refused_raises`` (a sleep or a start the body asked for).
     """
@@ -187,6 +203,8 @@ async def run_write(
     while True:
         try:
             return await call()
+        except UserCodeFailed as failed:
+            raise failed.error from failed.error.__cause__
         except LeaseLost as exc:
             raise LeaseLostInterrupt(str(exc)) from None
         except Exception as exc:
@@ -255,8 +273,11 @@ class Context:
         self.history = history
         self._store = store
         self._default_retry = default_retry
-        # why steps must stop executing: 'compensate' (the saga runs) or 'dead_letter'
+        # why steps must stop executing: the decision a failed step got, 'retry' (the run was
+        # released), 'compensate' (the saga runs) or 'dead_letter'
         self._halted: str | None = "compensate" if compensating else None
+        # failed steps whose decision is being asked for: nothing new starts meanwhile
+        self._deciding = 0
         self.compensations: dict[str, Callable[..., Any]] = {}
         self._names_used: set[str] = set()
         self._child_counts: dict[str, int] = {}
@@ -402,8 +423,7 @@ class Context:
             if stored.status == "completed":
                 return stored.output
             raise CompensateInterrupt("compensate")
-        if self._halted is not None:
-            raise CompensateInterrupt(self._halted)
+        await self._stop_if_decided()
 
         policy = retry or self._default_retry
         started_at = now()
@@ -441,12 +461,28 @@ class Context:
         """Store a failed attempt (once parallel siblings settled) and end the body."""
         await self._until(lambda: self._executing == 0)
         cause = exc.__cause__ if isinstance(exc, RefusedWrite) and exc.__cause__ else exc
-        decision = await self._write(lambda: self._store.fail_step(
-            name, error_info(cause), started_at, policy, retryable, position))
+        error = error_info(cause)
+        self._deciding += 1
+        try:
+            decision = await self._write(lambda: self._store.fail_step(
+                name, error, started_at, policy, retryable, position))
+        finally:
+            self._deciding -= 1
+            self._notify()
+        self._halted = decision
         if decision == "retry":
             raise RetryInterrupt(name) from None
-        self._halted = decision
         raise CompensateInterrupt(decision) from None
+
+    async def _stop_if_decided(self) -> None:
+        """End the body if a failed step decided the run's fate, waiting for a decision being
+        asked for: a step, sleep, wait or child that would start after it must not (a sibling
+        that started before the failure was decided is waited for and joins the saga)."""
+        await self._until(lambda: self._deciding == 0)
+        if self._halted == "retry":
+            raise RetryInterrupt(self._halted)
+        if self._halted is not None:
+            raise CompensateInterrupt(self._halted)
 
     async def settled(self) -> None:
         """Wait until no step of this execution is running or failing (the body ended, but
@@ -481,8 +517,7 @@ class Context:
         timer = await self._write(lambda: self.history.get(name))
         if isinstance(timer, StoredTimer) and timer.due:
             return
-        if self._halted is not None:
-            raise CompensateInterrupt(self._halted)
+        await self._stop_if_decided()
         stored_wake_at, released = await self._write(
             lambda: self._store.sleep(name, wake_at, seconds, position), refused_raises=True)
         if released:
@@ -526,8 +561,7 @@ class Context:
         stored = await self._write(lambda: self.history.get(record))
         if isinstance(stored, StoredStep):
             return str(stored.output)
-        if self._halted is not None:
-            raise CompensateInterrupt(self._halted)
+        await self._stop_if_decided()
         started = await self._write(lambda: self._store.start_run(
             name, input, child_id, options, defaults, record, position), refused_raises=True)
         self.history.record(record, StoredStep("completed", started, 0, position=position,
@@ -553,8 +587,7 @@ class Context:
         if isinstance(stored, StoredStep):
             outcome = stored.output
         else:
-            if self._halted is not None:
-                raise CompensateInterrupt(self._halted)
+            await self._stop_if_decided()
             state, payload = await self._waited(lambda: self._store.wait_for_event(
                 record, name, timeout, position))
             if state == "waiting":
@@ -580,8 +613,7 @@ class Context:
         if isinstance(stored, StoredStep):
             outcome = stored.output
         else:
-            if self._halted is not None:
-                raise CompensateInterrupt(self._halted)
+            await self._stop_if_decided()
             state, status, output, error = await self._waited(
                 lambda: self._store.wait_for_run(record, run_id, position))
             if state == "waiting":

@@ -55,7 +55,7 @@ def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Cal
         raise ValueError("workflow name must not be empty")
 
     def register(fn: F) -> F:
-        if not _is_async(fn):
+        if not is_async(fn):
             what = getattr(fn, "__qualname__", None) or repr(fn)
             raise TypeError(
                 f"workflow {name!r}: {what} must be an `async def` function taking (ctx, input);"
@@ -66,7 +66,7 @@ def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Cal
     return register
 
 
-def _is_async(fn: Any) -> bool:
+def is_async(fn: Any) -> bool:
     """``async def`` (also behind functools.partial or as an async ``__call__``)."""
     while isinstance(fn, functools.partial):
         fn = fn.func

@@ -122,6 +122,12 @@ select not exists (select from schema_migrations where version = 15) as apply_mi
     insert into schema_migrations (version, name) values (15, '0015_runs_that_depend_on_runs');
 \endif
 
+select not exists (select from schema_migrations where version = 16) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0016_transaction_steps_keep_their_transaction.sql
+    insert into schema_migrations (version, name) values (16, '0016_transaction_steps_keep_their_transaction');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

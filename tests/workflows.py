@@ -322,14 +322,16 @@ async def keyed_parent(ctx: flowly.Context, inp: dict[str, Any]) -> str:
 
 @flowly.workflow("parallel_saga")
 async def parallel_saga(ctx: flowly.Context, inp: Any) -> Any:
-    """A compensable step, then two in parallel: one fails at once for good, its compensable
-    sibling finishes later. Both completed steps must be compensated."""
+    """A compensable step, then two in parallel: one fails for good once its compensable
+    sibling has started, and the sibling finishes later. Both completed steps must be
+    compensated."""
     log = CALLS[ctx.run_id]
 
     def undo(output: str) -> None:
         log.append(f"undo:{output}")
 
     async def fail_now() -> None:
+        await asyncio.sleep(0.05)  # the sibling is running by then
         raise ValueError("fails at once")
 
     async def finish_later() -> str:

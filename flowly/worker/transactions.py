@@ -6,8 +6,10 @@ on a step thread), opens a transaction, locks the run and checks the lease
 (``begin_transaction_step``), calls ``fn(conn, *args)``, writes the checkpoint
 (``checkpoint_transaction``) and commits. Nothing of it commits if the lease was lost, the
 function failed or the connection broke. A serialization failure or deadlock of the user's SQL
-starts a fresh transaction, up to a few times. Transactional compensations work the same way
-with ``record_compensation`` in place of the checkpoint.
+starts a fresh transaction, up to a few times. Whatever else the function raises (an OSError,
+its own statement or lock timeout) is the step's failure, never taken for the engine's; a
+function that ends the transaction itself fails its step without retries. Transactional
+compensations work the same way with ``record_compensation`` in place of the checkpoint.
 
 Why not group-commit them like ordinary checkpoints: the user's SQL runs in the transaction, so
 one run's slow or failing SQL would hold up or roll back every other run in the batch.
@@ -16,19 +18,19 @@ one run's slow or failing SQL would hold up or roll back every other run in the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ..context import serialise_output
+from ..context import UserCodeFailed, serialise_output
 from ..db import Calls, translated_errors
-from ..errors import FlowlyError
+from ..errors import FlowlyError, WorkflowCodeError
+from ..workflow import is_async
 from . import session
 from .step_threads import StepThreads
 
@@ -101,13 +103,15 @@ class Transactions:
         async with self._slots:
             for attempt in range(1, SERIALIZATION_TRIES + 1):
                 try:
-                    if inspect.iscoroutinefunction(fn):
+                    if is_async(fn):
                         return await self._run_async(begin, begin_args, fn, args, isolation,
                                                      finish)
                     return await self._threads.run(self._run_sync, begin, begin_args, fn, args,
                                                    isolation, finish)
-                except psycopg.Error as exc:
-                    if exc.sqlstate not in _SERIALIZATION_STATES:
+                except UserCodeFailed as failed:
+                    exc = failed.error
+                    if not isinstance(exc, psycopg.Error) \
+                            or exc.sqlstate not in _SERIALIZATION_STATES:
                         raise
                     if attempt == SERIALIZATION_TRIES:
                         raise TransactionConflict(
@@ -125,7 +129,10 @@ class Transactions:
             await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
             with translated_errors():
                 await conn.execute(begin, begin_args)
-            result = await fn(conn, *args)
+            try:
+                result = await fn(conn, *args)
+            except Exception as exc:
+                raise _failure_of(conn, exc) from exc
             query, params = finish(result)
             with translated_errors():
                 cursor = await conn.execute(query, params)
@@ -142,7 +149,10 @@ class Transactions:
             conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
             with translated_errors():
                 conn.execute(begin, begin_args)
-            result = fn(conn, *args)
+            try:
+                result = fn(conn, *args)
+            except Exception as exc:
+                raise _failure_of(conn, exc) from exc
             query, params = finish(result)
             with translated_errors():
                 return conn.execute(query, params).fetchone()
@@ -158,6 +168,22 @@ class Transactions:
                     configure=lambda conn: session.configure(conn, lease), open=True,
                     timeout=max(lease, 5.0))
             return self._sync_pool
+
+
+def _failure_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+                exc: Exception) -> UserCodeFailed:
+    """The step's failure when its function raised ``exc``. A function that ended flowly's
+    transaction itself (COMMIT or ROLLBACK as SQL; psycopg refuses only ``conn.commit()``)
+    may have committed its effects: trying it again could apply them twice, so it fails
+    without retries. (One that went on in a new transaction and returned is refused by the
+    checkpoint, which checks its transaction.)"""
+    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        ended = WorkflowCodeError(
+            f"the function ended the transaction flowly opened for it (a COMMIT or ROLLBACK in"
+            f" its SQL) and then raised {exc!r}: let flowly commit")
+        ended.__cause__ = exc
+        return UserCodeFailed(ended)
+    return UserCodeFailed(exc)
 
 
 def _set_isolation(isolation: str) -> sql.Composed:

@@ -1,0 +1,286 @@
+"""What user code raises or does inside steps, transactional steps and compensations is that
+step's own failure: never taken for the engine's (a lost connection, a busy row), never able to
+stop a sibling's side effect from being undone, never committed outside flowly's transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from tests.support import running_worker, scalar
+
+LOG: dict[str, list[str]] = defaultdict(list)
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
+
+
+# --- a parallel sibling that starts while a failure is being decided ------------------------
+
+@flowly.workflow("ucf_sibling_after_fast_failure")
+async def ucf_sibling_after_fast_failure(ctx: flowly.Context, inp: Any) -> Any:
+    log = LOG[ctx.run_id]
+
+    async def fail_now() -> None:
+        raise ValueError("declined at once")
+
+    async def charge() -> str:
+        log.append("charged")
+        await asyncio.sleep(0.3)
+        return "charge-1"
+
+    def refund(output: str) -> None:
+        log.append(f"refunded {output}")
+
+    return await asyncio.gather(
+        ctx.step("validate", fail_now, retry=flowly.Retry(max_attempts=1)),
+        ctx.step("charge", charge, compensate=refund),
+    )
+
+
+def test_a_compensable_sibling_that_ran_while_the_failure_was_decided_is_compensated(
+    dsn: str, client: flowly.Client
+) -> None:
+    """README: 'Steps running in parallel (asyncio.gather) when one fails are waited for before
+    the run's fate is decided: a sibling that completes is checkpointed and compensated too.'
+    Here the failing step fails before its sibling's task got its first turn: the sibling then
+    runs its side effect anyway, while fail_step dead-letters the run (no compensable step was
+    checkpointed yet), so the charge is neither checkpointed nor refunded."""
+    run_id = client.start("ucf_sibling_after_fast_failure", None)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+        time.sleep(0.6)  # let the sibling finish whatever it does
+    log = LOG[run_id]
+    assert run.status == "dead_letter"
+    if "charged" in log:  # the side effect happened: it must have been undone
+        steps = {s.name: (s.status, s.compensation_status) for s in client.steps(run_id)}
+        assert log == ["charged", "refunded charge-1"], (log, steps)
+        assert steps.get("charge") == ("completed", "completed"), steps
+
+
+# --- user errors inside a transactional step are taken for engine failures ------------------
+
+@flowly.workflow("ucf_txn_user_error")
+async def ucf_txn_user_error(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    log = LOG[ctx.run_id]
+
+    def body(conn: psycopg.Connection[Any]) -> int:
+        log.append("try")
+        if inp["case"] == "timeout_error":  # e.g. an HTTP call inside fn timing out
+            raise TimeoutError("the upstream service timed out")
+        if inp["case"] == "connection_error":
+            raise ConnectionRefusedError("the upstream service refused")
+        if inp["case"] == "statement_timeout":  # the user's own statement_timeout
+            conn.execute("set local statement_timeout = '50ms'")
+            conn.execute("select pg_sleep(1)")
+        raise AssertionError("unknown case")
+
+    return await ctx.transaction("move", body, retry=flowly.Retry(max_attempts=2,
+                                                                   initial_delay=0.1))
+
+
+@pytest.mark.parametrize("case", ["timeout_error", "connection_error", "statement_timeout"])
+def test_a_transactional_step_whose_fn_raises_an_os_or_timeout_error_fails_through_retry(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], case: str
+) -> None:
+    """README: a transactional step that fails 'fails through `retry`' like any failure. An
+    OSError (TimeoutError, ConnectionError) raised by the user's fn, or a statement timeout of
+    the user's own SQL, is taken for a failed engine write instead: the run is abandoned until
+    its lease expires, retaken, fails again... forever, never counting an attempt."""
+    run_id = client.start("ucf_txn_user_error", {"case": case})
+    with running_worker(dsn, lease=1.0):
+        try:
+            run = client.wait(run_id, timeout=6)
+        except flowly.RunTimeout:
+            run = client.get(run_id)
+    attempts = scalar(db, "select count(*) from flowly.step_attempts where run_id = %s", run_id)
+    assert run.status == "dead_letter", (run.status, LOG[run_id], attempts)
+    assert attempts == 2 and LOG[run_id] == ["try", "try"]
+
+
+@flowly.workflow("ucf_txn_compensation_error")
+async def ucf_txn_compensation_error(ctx: flowly.Context, inp: Any) -> Any:
+    log = LOG[ctx.run_id]
+
+    def undo_txn(conn: psycopg.Connection[Any], output: Any) -> None:
+        log.append("undo txn")
+        raise ConnectionResetError("the ledger service hung up")
+
+    def undo_plain(output: Any) -> None:
+        log.append("undo plain")
+
+    def fail() -> None:
+        raise ValueError("the next step fails")
+
+    await ctx.step("plain", lambda: "p", compensate=undo_plain)
+    await ctx.transaction("txn", lambda conn: "t", compensate=undo_txn)
+    await ctx.step("fails", fail, retry=flowly.Retry(max_attempts=1))
+
+
+def test_a_transactional_compensation_raising_an_os_error_does_not_stop_the_saga(
+    dsn: str, client: flowly.Client
+) -> None:
+    """README: 'each outcome is stored on its step; a failing one does not stop the rest'.
+    A transactional compensation raising ConnectionResetError is taken for a lost database
+    connection: the saga is abandoned, retaken after the lease, abandoned again, forever; the
+    earlier step's compensation never runs and the run never lands in dead_letter."""
+    run_id = client.start("ucf_txn_compensation_error", None)
+    with running_worker(dsn, lease=1.0):
+        try:
+            run = client.wait(run_id, timeout=6)
+        except flowly.RunTimeout:
+            run = client.get(run_id)
+    assert run.status == "dead_letter", (run.status, LOG[run_id])
+    outcomes = {s.name: s.compensation_status for s in client.steps(run_id)}
+    assert outcomes["txn"] == "failed" and outcomes["plain"] == "completed"
+    assert run.compensation_ok is False
+    assert LOG[run_id] == ["undo txn", "undo plain"]
+
+
+# --- an exception whose str() fails --------------------------------------------------------
+
+class BadMessage(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message for you")
+
+
+@flowly.workflow("ucf_bad_message")
+async def ucf_bad_message(ctx: flowly.Context, inp: Any) -> Any:
+    log = LOG[ctx.run_id]
+
+    def flaky() -> str:
+        log.append("try")
+        if len(log) < 3:
+            raise BadMessage()
+        return "ok"
+
+    try:
+        return await ctx.step("flaky", flaky, retry=flowly.Retry(max_attempts=3,
+                                                                  initial_delay=0.05))
+    except Exception as exc:  # a step failure is never an ordinary exception in the body
+        return f"swallowed {type(exc).__name__}"
+
+
+def test_a_step_whose_exception_has_no_printable_message_is_retried(
+    dsn: str, client: flowly.Client
+) -> None:
+    """README: a failing step is retried per its `retry`; step failures end the body with
+    interrupts (BaseException), so `except Exception` cannot swallow them. An exception whose
+    __str__ raises makes error_info fail inside the fail_step write: the step is not retried,
+    and the body receives an ordinary RefusedWrite it can (and here does) swallow."""
+    run_id = client.start("ucf_bad_message", None)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+    assert LOG[run_id] == ["try", "try", "try"], (run.status, run.output, run.error)
+    assert run.status == "completed" and run.output == "ok"
+
+
+# --- a user's lock wait inside a transactional step ------------------------------------------
+
+@flowly.workflow("ucf_txn_nowait")
+async def ucf_txn_nowait(ctx: flowly.Context, inp: Any) -> Any:
+    log = LOG[ctx.run_id]
+
+    def body(conn: psycopg.Connection[Any]) -> str:
+        log.append("try")
+        conn.execute("set local lock_timeout = '50ms'")
+        conn.execute("select pg_advisory_xact_lock(4242)")  # held by the test: 55P03
+        return "locked"
+
+    return await ctx.transaction("lock", body, retry=flowly.Retry(max_attempts=2,
+                                                                   initial_delay=0.1))
+
+
+def test_a_transactional_step_whose_sql_gives_up_on_a_lock_fails_through_retry(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The user's SQL fails with lock_not_available (55P03): for an ordinary step that is an
+    ordinary failure, for a transactional one it is taken for 'the run's row is busy' and the
+    whole step is run again every <= 1 s forever, never counting an attempt."""
+    db.execute("select pg_advisory_lock(4242)")
+    run_id = client.start("ucf_txn_nowait", None)
+    with running_worker(dsn):
+        try:
+            run = client.wait(run_id, timeout=5)
+        except flowly.RunTimeout:
+            run = client.get(run_id)
+    attempts = scalar(db, "select count(*) from flowly.step_attempts where run_id = %s", run_id)
+    assert run.status == "dead_letter", (run.status, len(LOG[run_id]), attempts)
+
+
+# --- a transactional step's fn that ends the transaction itself ------------------------------
+
+@flowly.workflow("ucf_txn_ends_its_transaction")
+async def ucf_txn_ends_its_transaction(ctx: flowly.Context, inp: dict[str, str]) -> Any:
+    def body(conn: psycopg.Connection[Any]) -> str:
+        conn.execute("insert into public.test_effects (run_id, step, pid) values (%s, 'x', 0)",
+                     (ctx.run_id,))
+        conn.execute(inp["ends_with"])  # say, a helper library that commits what it wrote
+        if inp["then"] == "raises":
+            raise ValueError("fails after ending the transaction")
+        conn.execute("select 1")  # goes on in a transaction of its own
+        return "done"
+
+    return await ctx.transaction("write", body, retry=flowly.Retry(max_attempts=3,
+                                                                    initial_delay=0.05))
+
+
+@pytest.mark.parametrize("ends_with", ["commit", "rollback"])
+@pytest.mark.parametrize("then", ["raises", "returns"])
+def test_a_transactional_step_whose_fn_ends_the_transaction_fails_without_retries(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], ends_with: str, then: str
+) -> None:
+    """README: fn runs 'in the transaction that also checks the run's lease and writes the
+    step's checkpoint: both commit, or neither does'. A fn that ends that transaction itself
+    (COMMIT or ROLLBACK as SQL; psycopg refuses only conn.commit()) fails its step at once,
+    without retries: a retry could apply committed effects twice, and a checkpoint in a later
+    transaction would record a step whose effects were rolled back."""
+    run_id = client.start("ucf_txn_ends_its_transaction", {"ends_with": ends_with, "then": then})
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+    effects = scalar(db, "select count(*) from public.test_effects where run_id = %s", run_id)
+    assert run.status == "dead_letter", run.output
+    assert effects == (1 if ends_with == "commit" else 0)
+    assert "ended the transaction flowly opened" in run.error["message"]
+    assert scalar(db, "select count(*) from flowly.step_attempts where run_id = %s",
+                  run_id) == 1
+
+
+# --- an async callable object as a transactional fn ------------------------------------------
+
+class AsyncWriter:
+    async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        cursor = await conn.execute("select 41 + 1")
+        row = await cursor.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@flowly.workflow("ucf_txn_async_callable")
+async def ucf_txn_async_callable(ctx: flowly.Context, inp: Any) -> Any:
+    plain = await ctx.step("plain", lambda: 1)
+    return [plain, await ctx.transaction("txn", AsyncWriter())]
+
+
+def test_an_async_callable_object_gets_an_async_connection(
+    dsn: str, client: flowly.Client
+) -> None:
+    """README: conn is 'async for an async fn'; workflow registration and ctx.step accept an
+    object with an async __call__ as async. ctx.transaction decides with
+    inspect.iscoroutinefunction, so such an object runs on a thread with a sync connection and
+    its coroutine is never awaited: the step fails as 'not JSON serialisable'."""
+    run_id = client.start("ucf_txn_async_callable", None)
+    with running_worker(dsn):
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed", run.error
+    assert run.output == [1, 42]
