@@ -109,6 +109,14 @@ class StepAttempt:
     retry_at: datetime | None
 
 
+def _run_id(run_id: Any) -> str:
+    """A run id as the database keys runs: text. An order id passed as an int would otherwise
+    reach the server as a number and fail there as a missing function."""
+    if not isinstance(run_id, str):
+        raise InvalidArgument(f"a run id is a string, got {type(run_id).__name__} {run_id!r}")
+    return run_id
+
+
 def _from_row(cls: type[Any], row: dict[str, Any]) -> Any:
     return cls(**{f.name: row[f.name] for f in fields(cls)})
 
@@ -299,22 +307,24 @@ class Client:
 
     def get(self, run_id: str) -> Run:
         """The run with this id; :class:`RunNotFound` if there is none."""
-        rows = self._fetch(self.calls.get_run, (run_id,))
+        rows = self._fetch(self.calls.get_run, (_run_id(run_id),))
         if not rows:
             raise RunNotFound(f"run {run_id} not found")
         return _from_row(Run, rows[0])  # type: ignore[no-any-return]
 
     def steps(self, run_id: str) -> list[Step]:
         """The run's step outcomes in the order they were reached."""
-        return [_from_row(Step, row) for row in self._fetch(self.calls.get_steps, (run_id,))]
+        rows = self._fetch(self.calls.get_steps, (_run_id(run_id),))
+        return [_from_row(Step, row) for row in rows]
 
     def timers(self, run_id: str) -> list[Timer]:
         """The run's durable timers."""
-        return [_from_row(Timer, row) for row in self._fetch(self.calls.get_timers, (run_id,))]
+        rows = self._fetch(self.calls.get_timers, (_run_id(run_id),))
+        return [_from_row(Timer, row) for row in rows]
 
     def failed_attempts(self, run_id: str) -> list[StepAttempt]:
         """Every failed step attempt of the run, oldest first."""
-        rows = self._fetch(self.calls.get_step_attempts, (run_id,))
+        rows = self._fetch(self.calls.get_step_attempts, (_run_id(run_id),))
         return [_from_row(StepAttempt, row) for row in rows]
 
     def is_served(self, workflow: str, queue: str = "default") -> bool:
@@ -358,11 +368,12 @@ class Client:
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
-        return str(self._fetch(self.calls.cancel, (run_id,))[0]["cancel"])
+        return str(self._fetch(self.calls.cancel, (_run_id(run_id),))[0]["cancel"])
 
     def retry_dead_letter(self, run_id: str) -> str:
         """Restart a dead-lettered run from its last good checkpoint."""
-        return str(self._fetch(self.calls.retry_dead_letter, (run_id,))[0]["retry_dead_letter"])
+        rows = self._fetch(self.calls.retry_dead_letter, (_run_id(run_id),))
+        return str(rows[0]["retry_dead_letter"])
 
     def send_event(self, run_id: str, name: str, payload: Any = None, *,
                    conn: psycopg.Connection[Any] | None = None) -> int:
@@ -370,7 +381,7 @@ class Client:
         ``ctx.wait_for_event(name)`` receives it); returns the event's sequence number.
         ``conn`` joins the caller's transaction."""
         rows = self._fetch(self.calls.send_event,
-                           (run_id, name, dumps_argument(payload, "event payload")), conn)
+                           (_run_id(run_id), name, dumps_argument(payload, "event payload")), conn)
         return int(rows[0]["send_event"])
 
     def purge(self, older_than: float | timedelta, *, statuses: Collection[str] = TERMINAL,
@@ -503,22 +514,24 @@ class AsyncClient:
 
     async def get(self, run_id: str) -> Run:
         """See :meth:`Client.get`."""
-        rows = await self._fetch(self.calls.get_run, (run_id,))
+        rows = await self._fetch(self.calls.get_run, (_run_id(run_id),))
         if not rows:
             raise RunNotFound(f"run {run_id} not found")
         return _from_row(Run, rows[0])  # type: ignore[no-any-return]
 
     async def steps(self, run_id: str) -> list[Step]:
         """See :meth:`Client.steps`."""
-        return [_from_row(Step, r) for r in await self._fetch(self.calls.get_steps, (run_id,))]
+        rows = await self._fetch(self.calls.get_steps, (_run_id(run_id),))
+        return [_from_row(Step, row) for row in rows]
 
     async def timers(self, run_id: str) -> list[Timer]:
         """See :meth:`Client.timers`."""
-        return [_from_row(Timer, r) for r in await self._fetch(self.calls.get_timers, (run_id,))]
+        rows = await self._fetch(self.calls.get_timers, (_run_id(run_id),))
+        return [_from_row(Timer, row) for row in rows]
 
     async def failed_attempts(self, run_id: str) -> list[StepAttempt]:
         """See :meth:`Client.failed_attempts`."""
-        rows = await self._fetch(self.calls.get_step_attempts, (run_id,))
+        rows = await self._fetch(self.calls.get_step_attempts, (_run_id(run_id),))
         return [_from_row(StepAttempt, row) for row in rows]
 
     async def is_served(self, workflow: str, queue: str = "default") -> bool:
@@ -559,18 +572,18 @@ class AsyncClient:
 
     async def cancel(self, run_id: str) -> str:
         """See :meth:`Client.cancel`."""
-        return str((await self._fetch(self.calls.cancel, (run_id,)))[0]["cancel"])
+        return str((await self._fetch(self.calls.cancel, (_run_id(run_id),)))[0]["cancel"])
 
     async def retry_dead_letter(self, run_id: str) -> str:
         """See :meth:`Client.retry_dead_letter`."""
-        rows = await self._fetch(self.calls.retry_dead_letter, (run_id,))
+        rows = await self._fetch(self.calls.retry_dead_letter, (_run_id(run_id),))
         return str(rows[0]["retry_dead_letter"])
 
     async def send_event(self, run_id: str, name: str, payload: Any = None, *,
                          conn: psycopg.AsyncConnection[Any] | None = None) -> int:
         """See :meth:`Client.send_event`."""
-        rows = await self._fetch(self.calls.send_event,
-                                 (run_id, name, dumps_argument(payload, "event payload")), conn)
+        params = (_run_id(run_id), name, dumps_argument(payload, "event payload"))
+        rows = await self._fetch(self.calls.send_event, params, conn)
         return int(rows[0]["send_event"])
 
     async def purge(self, older_than: float | timedelta, *,

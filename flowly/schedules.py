@@ -16,6 +16,7 @@ from typing import Any
 from psycopg import sql
 
 from .db import check_schema_name, dumps_argument
+from .errors import InvalidArgument
 from .workflow import WorkflowFn, lookup
 
 MISSED = ("skip", "run_once")
@@ -83,6 +84,12 @@ def schedule_params(
     (whose registration gives the default queue and max_attempts); the SQL validates the
     rest (the expression, the zone, the names) and says which is wrong."""
     workflow_name, defaults = lookup(workflow)
+    if not isinstance(cron, str):
+        raise InvalidArgument(f"schedule {name!r}: cron must be a string, got"
+                              f" {type(cron).__name__} {cron!r}")
+    if not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise InvalidArgument(f"schedule {name!r}: priority must be an integer that fits 32"
+                              f" bits, got {priority!r}")
     return {
         "name": name, "cron": cron, "workflow": workflow_name,
         "input": dumps_argument(input, f"input of schedule {name!r}"),

@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .db import dumps_argument
@@ -182,11 +182,19 @@ def _int4(workflow: str, name: str, value: Any) -> int:
 
 
 def _interval(workflow: str, name: str, value: float | timedelta | None) -> timedelta | None:
-    if not isinstance(value, (int, float)):
-        return value
-    try:
-        return timedelta(seconds=value)
-    except (OverflowError, ValueError):  # infinities and huge values overflow, NaN is a ValueError
-        raise InvalidArgument(
-            f"{name} of a {workflow!r} run must be a finite number of seconds that fits an"
-            f" interval, got {value}") from None
+    """``value`` as a timedelta that keeps the run's times readable (years 1 to 9999)."""
+    if isinstance(value, (int, float)):
+        try:
+            value = timedelta(seconds=value)
+        except (OverflowError, ValueError):  # infinities and huge values overflow, NaN too
+            raise InvalidArgument(
+                f"{name} of a {workflow!r} run must be a finite number of seconds that fits"
+                f" an interval, got {value}") from None
+    if isinstance(value, timedelta):
+        try:
+            datetime.now(UTC) + value
+        except OverflowError:
+            raise InvalidArgument(
+                f"{name} of a {workflow!r} run must end before the year 10000 (times later"
+                f" than that cannot be read back), got {value}") from None
+    return value

@@ -128,6 +128,18 @@ select not exists (select from schema_migrations where version = 16) as apply_mi
     insert into schema_migrations (version, name) values (16, '0016_transaction_steps_keep_their_transaction');
 \endif
 
+select not exists (select from schema_migrations where version = 17) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0017_claim_skips_priorities_not_due.sql
+    insert into schema_migrations (version, name) values (17, '0017_claim_skips_priorities_not_due');
+\endif
+
+select not exists (select from schema_migrations where version = 18) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0018_start_within_readable_time.sql
+    insert into schema_migrations (version, name) values (18, '0018_start_within_readable_time');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -652,7 +652,7 @@ CLAIM_LEVELS = """
             select r.priority from runs r
             where r.queue = q.name and r.workflow = w.name
               and r.status in ('pending', 'running', 'compensating')
-              and (v_priority is null or r.priority < v_priority)
+              and r.priority < v_below
             order by r.priority desc
             limit 1
 """
@@ -701,9 +701,9 @@ def test_claim_reads_only_due_runs_of_its_queues(db: psycopg.Connection[Any]) ->
                   .replace("p_limit - cardinality(v_ids)", "%s"))
     levels = (_squash(CLAIM_LEVELS).replace("from runs r", "from flowly.runs r")
               .replace("q.name", "%s").replace("w.name", "%s")
-              .replace("v_priority is null or ", "").replace("v_priority", "%s"))
+              .replace("v_below", "%s::bigint"))
     for query, params in [(candidates, ("default", "wf", 0, [], 10)),
-                          (levels, ("default", "wf", 2**31 - 1))]:
+                          (levels, ("default", "wf", 2**31))]:
         plan = _explain(db, query, params)
         nodes = list(plan_nodes(plan))
         assert [n for n in nodes if n["Node Type"] == "Seq Scan"] == [], plan

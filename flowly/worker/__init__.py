@@ -68,6 +68,9 @@ _SHUTDOWN_CALL_TIMEOUT = 3.0
 # the periodic purge (purge_after): how often, and at most how many batches of 1,000 a round
 _PURGE_EVERY = 60.0
 _PURGE_BATCHES_PER_ROUND = 10
+# the longest pause between two cron ticks, whatever poll_interval says: a fire time more than
+# a minute old counts as missed
+_SCHEDULE_TICK_MAX = 15.0
 # how long past the drain timeout a stopping worker's orderly shutdown may take in all
 _SHUTDOWN_GRACE = 5.0
 # rows and bytes of replay data one read fetches
@@ -464,7 +467,9 @@ class Worker:
             await asyncio.sleep(_PURGE_EVERY)
 
     async def _tick_schedules(self) -> None:
-        """Start the runs of due cron schedules about every poll_interval. Any worker may:
+        """Start the runs of due cron schedules about every poll_interval (at least every
+        _SCHEDULE_TICK_MAX, well within the minute after which a fire time counts as missed,
+        whatever the poll interval). Any worker may:
         tick_schedules takes each schedule with skip locked and names each run after its fire
         time, so workers ticking at once never start a fire time twice."""
         tick = tick_statement(self._calls.schema)
@@ -475,7 +480,7 @@ class Worker:
                                "schedule %s, fire time %s: %s", name, fire_at, outcome)
             except Exception as exc:  # the next tick may get through
                 logger.warning("ticking the cron schedules failed: %s", exc)
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(min(self.poll_interval, _SCHEDULE_TICK_MAX))
 
     async def _apply_missed_wakeups(self) -> None:
         """Make due, about every poll_interval, the parked runs whose wake-up found their row
