@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import inspect
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
@@ -264,8 +264,11 @@ class Context:
         compensating: bool,
         default_retry: Retry,
         max_output_bytes: int,
+        undone: Mapping[str, int] | None = None,
     ) -> None:
         self.run_id = run_id
+        # how many times a compensation undid each step, in earlier generations
+        self._undone: Mapping[str, int] = undone or {}
         self.max_output_bytes = max_output_bytes
         self.workflow = workflow
         self.attempt = attempt
@@ -301,13 +304,16 @@ class Context:
         """A key that is the same on every attempt and replay of ``step`` in this run.
 
         Steps are at-least-once: pass this to external APIs so they de-duplicate a call
-        repeated after a crash between the side effect and the checkpoint. A run restarted by
-        ``retry_dead_letter`` is a new generation whose steps run again after their effects
-        were compensated, so from generation 2 on the key names the generation too.
+        repeated after a crash between the side effect and the checkpoint. A step whose effect
+        a compensation undid, and that runs again in a generation ``retry_dead_letter``
+        started, must not be de-duplicated against the undone call: its key then ends in
+        ``:g2`` (then ``:g3``, one more per undoing). Any other step keeps its key across
+        generations, so a call repeated after a timeout or a failure is still recognised.
         """
-        if self.generation == 1:
+        undone = self._undone.get(step, 0)
+        if undone == 0:
             return f"{self.run_id}:{step}"
-        return f"{self.run_id}:{step}:g{self.generation}"
+        return f"{self.run_id}:{step}:g{undone + 1}"
 
     def _claim_name(self, name: str) -> int:
         """Reserve ``name`` for this execution; returns its position in the body."""

@@ -179,6 +179,7 @@ class Calls:
         self.wait_for_run = q("select * from {s}.wait_for_run(%s, %s, %s, %s, %s)")
         self.park = q("select {s}.park(%s, %s, %s)")
         self.wake_missed_waiters = q("select {s}.wake_missed_waiters()")
+        self.undone_steps = q("select * from {s}.undone_steps(%s)")
         self.send_event = q("select {s}.send_event(%s, %s, %s::jsonb)")
         self.fail_run = q("select * from {s}.fail_run(%s, %s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")

@@ -140,6 +140,12 @@ select not exists (select from schema_migrations where version = 18) as apply_mi
     insert into schema_migrations (version, name) values (18, '0018_start_within_readable_time');
 \endif
 
+select not exists (select from schema_migrations where version = 19) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0019_undone_steps.sql
+    insert into schema_migrations (version, name) values (19, '0019_undone_steps');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -21,6 +21,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql import factories
 
+import flowly
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -94,6 +96,14 @@ def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test database, for SQL-level checks."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[flowly.Client]:
+    """A Client of the test database, which FLOWLY_DSN names too (for code that reads it)."""
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    with flowly.Client(dsn) as c:
+        yield c
 
 
 def pytest_report_header(config: pytest.Config) -> str:

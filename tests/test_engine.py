@@ -20,13 +20,6 @@ from tests import workflows
 from tests.support import running_worker, scalar, wait_for
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 def test_completed_steps_are_replayed_not_executed(dsn: str, client: flowly.Client) -> None:
     """The body fails once after a step and a child start; the retry replays both."""
     run_id = client.start("replay", {})

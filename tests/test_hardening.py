@@ -23,14 +23,6 @@ from flowly.worker.step_threads import StepThreads
 from tests import workflows
 from tests.support import pages_read, running_worker, scalar, seq_scanned, wait_for
 
-
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 # --- isolation: one run's trouble never hurts another --------------------------------------
 
 def test_a_checkpoint_the_database_refuses_fails_only_its_own_run(
@@ -384,7 +376,7 @@ def test_after_retry_compensations_and_listings_follow_body_order(
                        (1, "s3", "completed", None), (1, "s4", None, None)]
 
 
-def test_retry_re_arms_the_sleep_between_re_run_steps_and_renews_idempotency_keys(
+def test_retry_re_arms_the_sleep_between_re_run_steps_and_renews_undone_steps_keys(
     dsn: str, client: flowly.Client
 ) -> None:
     run_id = client.start("cooling_saga", {"cooling": 1.0})
@@ -400,7 +392,39 @@ def test_retry_re_arms_the_sleep_between_re_run_steps_and_renews_idempotency_key
     reserve, charge = (line.split() for line in log)
     assert reserve[0] == "reserve" and charge[0] == "charge"
     assert float(charge[1]) - float(reserve[1]) >= 0.9  # the cooling period lasted again
-    assert reserve[2] == f"{run_id}:reserve:g2" and charge[2] == f"{run_id}:charge:g2"
+    # reserve was undone (released) and runs again: a new key; the failed charge was never
+    # undone: the provider must be able to recognise its repeat
+    assert reserve[2] == f"{run_id}:reserve:g2" and charge[2] == f"{run_id}:charge"
+
+
+@flowly.workflow("charge_in_flight_at_timeout")
+async def charge_in_flight_at_timeout(ctx: flowly.Context, inp: Any) -> Any:
+    log = workflows.CALLS[ctx.run_id]
+
+    def charge(key: str) -> str:
+        log.append(key)  # the payment provider saw this key and charged the card
+        if len(log) == 1:
+            time.sleep(2.5)  # the run's timeout passes while the charge is in flight
+        return "charged"
+
+    return await ctx.step("charge", charge, ctx.idempotency_key("charge"))
+
+
+def test_a_step_never_undone_keeps_its_idempotency_key_in_the_next_generation(
+    dsn: str, client: flowly.Client
+) -> None:
+    """The charge is in flight when the run times out (dead_letter, no compensation: nothing
+    was checkpointed); retry_dead_letter runs it again in generation 2. It was never undone,
+    so it must charge under the same key, which the provider de-duplicates."""
+    run_id = client.start("charge_in_flight_at_timeout", None, timeout=1)
+    with running_worker(dsn, lease=0.6):
+        run = client.wait(run_id, timeout=20)
+        assert run.status == "dead_letter" and run.error["type"] == "Timeout"
+        client.retry_dead_letter(run_id)
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed" and run.generation == 2
+    first, second = workflows.CALLS[run_id]
+    assert first == second == f"{run_id}:charge"
 
 
 # --- bounded work per call ------------------------------------------------------------------

@@ -16,13 +16,6 @@ import flowly
 from tests.support import running_worker, scalar
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 @pytest.mark.parametrize(("workflow", "error_type", "message"), [
     ("forgets_await", "WorkflowCodeError", "returned without awaiting its step 'never'"),
     ("name_twice", "WorkflowCodeError", "name 'same' is used twice"),

@@ -18,13 +18,6 @@ from flowly.worker import session
 from tests.support import running_worker, scalar, wait_for, worker_process
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 def test_an_output_over_the_limit_fails_its_run_before_anything_is_sent(
     dsn: str, client: flowly.Client
 ) -> None:

@@ -7,19 +7,11 @@ from collections import defaultdict
 from typing import Any
 
 import psycopg
-import pytest
 
 import flowly
 from tests.support import running_worker, scalar
 
 LOG: dict[str, list[str]] = defaultdict(list)
-
-
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
 
 
 TRICKY = {"b": 1, "a": [2, 1], "": None, "long key first": True, "é": "\u2028\ud7ff\U0001f600",

@@ -17,13 +17,6 @@ from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 def _history(db: psycopg.Connection[Any], count: int, age: str = "2 days") -> None:
     """``count`` finished runs (a third each completed, cancelled, dead-lettered) that
     finished ``age`` ago, each with a step, a failed attempt and a timer."""

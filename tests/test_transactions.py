@@ -16,13 +16,6 @@ from tests.support import running_worker, scalar, wait_for, worker_process
 
 
 @pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
-@pytest.fixture
 def accounts(db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     """public.accounts with a and b at 1,000 each; found by the steps through the
     application's search_path (the pool's default), not flowly's."""

@@ -18,13 +18,6 @@ from tests.support import running_worker, scalar
 LOG: dict[str, list[str]] = defaultdict(list)
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 # --- a parallel sibling that starts while a failure is being decided ------------------------
 
 @flowly.workflow("ucf_sibling_after_fast_failure")

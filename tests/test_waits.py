@@ -13,13 +13,6 @@ import flowly
 from tests.support import running_worker, scalar, wait_for, worker_process
 
 
-@pytest.fixture
-def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("FLOWLY_DSN", dsn)
-    with flowly.Client(dsn) as c:
-        yield c
-
-
 def _parked(db: psycopg.Connection[Any], run_id: str) -> bool:
     """Waiting, and held by no worker."""
     return bool(scalar(db, "select status = 'pending' and locked_by is null from flowly.runs"

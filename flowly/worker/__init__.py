@@ -530,18 +530,22 @@ class Worker:
         generation: int, has_history: bool,
     ) -> None:
         store = _RunStore(self, held)
-        ctx = Context(
-            run_id=held.run_id,
-            workflow=workflow.name,
-            attempt=attempt,
-            generation=generation,
-            store=store,
-            history=ReplayLog(store.read_page if has_history else None),
-            compensating=status == "compensating",
-            default_retry=self.default_retry,
-            max_output_bytes=self.max_output_bytes,
-        )
         try:
+            # only a retried generation can have steps a compensation undid
+            undone = dict(await run_write(held.run_id, partial(
+                self._call, self._calls.undone_steps, (held.run_id,)))) if generation > 1 else {}
+            ctx = Context(
+                run_id=held.run_id,
+                workflow=workflow.name,
+                attempt=attempt,
+                generation=generation,
+                store=store,
+                history=ReplayLog(store.read_page if has_history else None),
+                compensating=status == "compensating",
+                default_retry=self.default_retry,
+                max_output_bytes=self.max_output_bytes,
+                undone=undone,
+            )
             if await self._run_body(held, workflow, ctx, input) == "compensate":
                 await self._compensate(held, ctx)
         except (LeaseLost, LeaseLostInterrupt) as exc:

@@ -56,8 +56,8 @@ begin
         perform check_name('concurrency_key', start.concurrency_key);
     end if;
     if not isfinite(v_due) or v_due >= readable_time_end() then
-        raise exception 'scheduled_for must be a time before the year 10000, got %', v_due
-            using errcode = 'WF003';
+        raise exception 'scheduled_for must be a finite time before the year 10000, got %',
+            v_due using errcode = 'WF003';
     end if;
     if start.max_attempts is null or start.max_attempts < 1 then
         raise exception 'max_attempts must be at least 1, got %', start.max_attempts
