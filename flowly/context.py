@@ -177,7 +177,7 @@ class UserCodeFailed(Exception):
     the database failing, so that it fails the step like any step's exception."""
 
     def __init__(self, error: Exception) -> None:
-        super().__init__(repr(error))
+        super().__init__(type(error).__qualname__)
         self.error = error
 
 
