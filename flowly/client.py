@@ -20,7 +20,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
-from .errors import InvalidArgument, RunNotFound, RunTimeout
+from .errors import InvalidArgument, InvalidState, RunNotFound, RunTimeout
 from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
 from .workflow import WorkflowFn, lookup, start_params
 
@@ -125,6 +125,22 @@ def _wait_statuses(status: str | Collection[str] | None) -> Collection[str]:
     if status is None:
         return TERMINAL
     return (status,) if isinstance(status, str) else status
+
+
+# statuses no engine call moves a run out of (retry_dead_letter moves a dead_letter run on)
+_FINAL = ("completed", "cancelled")
+
+
+def _reached(run: Run, wanted: Collection[str]) -> bool:
+    """Whether ``wait`` is over: the run is in a wanted status. A run in a final status that
+    is not wanted can never reach one, which raises :class:`InvalidState` rather than waiting
+    until the timeout (or for ever)."""
+    if run.status in wanted:
+        return True
+    if run.status in _FINAL:
+        raise InvalidState(f"run {run.id} ended {run.status}; it can never be"
+                           f" {' or '.join(sorted(wanted))}")
+    return False
 
 
 _POLL_FIRST, _POLL_MAX = 0.02, 0.5
@@ -338,13 +354,15 @@ class Client:
         """Wait until the run reaches ``status`` (default: any terminal status): woken by the
         NOTIFY its finishing sends, with polling (every 0.5 s at most) as the fallback.
 
-        Raises :class:`RunTimeout` after ``timeout`` seconds.
+        Raises :class:`RunTimeout` after ``timeout`` seconds, and :class:`InvalidState` as
+        soon as the run ended ``completed`` or ``cancelled`` when that is not a status waited
+        for (it can never reach one; a ``dead_letter`` run may still be retried).
         """
         wanted = _wait_statuses(status)
         pauses = _poll_pauses(timeout)
         while True:
             run = self.get(run_id)
-            if run.status in wanted:
+            if _reached(run, wanted):
                 return run
             pause = next(pauses, None)
             if pause is None:
@@ -547,7 +565,7 @@ class AsyncClient:
         pauses = _poll_pauses(timeout)
         while True:
             run = await self.get(run_id)
-            if run.status in wanted:
+            if _reached(run, wanted):
                 return run
             pause = next(pauses, None)
             if pause is None:

@@ -203,3 +203,23 @@ def test_redeclaring_a_schedule_while_a_tick_holds_it_keeps_the_advanced_fire_ti
         assert result == [(advanced,)]
         assert [r[3] for r in db.execute("select * from flowly.tick_schedules()")] == []
         assert scalar(db, "select count(*) from flowly.runs") == 1
+
+
+def test_waiting_for_a_status_a_finished_run_can_never_reach_raises_at_once(
+    client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """wait(status="completed") on a cancelled run used to wait out its timeout (or for ever
+    without one): cancelled and completed are final, so it raises InvalidState at once. A
+    dead_letter run may still be retried: waiting for completed goes on until the timeout."""
+    cancelled = client.start("quick", None)
+    client.cancel(cancelled)
+    started = time.monotonic()
+    with pytest.raises(flowly.InvalidState, match="ended cancelled; it can never be completed"):
+        client.wait(cancelled, status="completed")
+    assert time.monotonic() - started < 5
+    dead = client.start("quick", None)
+    db.execute("update flowly.runs set status = 'dead_letter', finished_at = now()"
+               " where id = %s", (dead,))
+    with pytest.raises(flowly.RunTimeout):
+        client.wait(dead, status="completed", timeout=0.3)
+    assert client.wait(dead).status == "dead_letter"
