@@ -28,6 +28,7 @@ from .errors import (
 )
 from .replay import ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
+from .user_tasks import user_code
 from .workflow import START_OPTIONS, Workflow, WorkflowFn, is_async, lookup
 
 T = TypeVar("T")
@@ -163,12 +164,13 @@ async def call_user_function(store: RunStore, fn: Callable[..., Any], *args: Any
     ``__call__``) get no thread hop; a sync callable that returns an awaitable (a lambda
     around an async call) has that awaitable awaited on the loop.
     """
-    if is_async(fn):
-        return await fn(*args)
-    result = await store.call_blocking(fn, *args)
-    if inspect.isawaitable(result):
-        return await result
-    return result
+    with user_code():
+        if is_async(fn):
+            return await fn(*args)
+        result = await store.call_blocking(fn, *args)
+        if inspect.isawaitable(result):
+            return await result
+        return result
 
 
 class UserCodeFailed(Exception):

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import running_worker, scalar
+from tests.support import running_worker, scalar, wait_for
 
 LOG: dict[str, list[str]] = defaultdict(list)
 
@@ -277,3 +277,43 @@ def test_an_async_callable_object_gets_an_async_connection(
         run = client.wait(run_id, timeout=20)
     assert run.status == "completed", run.error
     assert run.output == [1, 42]
+
+
+# --- BaseException raised in a task a step's fn created ---------------------------------------
+
+@flowly.workflow("ucf_subtask_systemexit")
+async def ucf_subtask_systemexit(ctx: flowly.Context, inp: Any) -> Any:
+    async def helper() -> None:
+        raise SystemExit("a library called sys.exit()")
+
+    async def fan_out() -> Any:
+        return await asyncio.gather(helper())
+
+    return await ctx.step("fan_out", fan_out, retry=flowly.Retry(max_attempts=1))
+
+
+@flowly.workflow("ucf_innocent")
+async def ucf_innocent(ctx: flowly.Context, inp: Any) -> Any:
+    await ctx.step("wait", asyncio.sleep, 1.0)
+    return "fine"
+
+
+def test_a_step_whose_own_task_raises_system_exit_fails_its_run_not_the_worker(
+    dsn: str, client: flowly.Client
+) -> None:
+    """A step raising SystemExit fails its run, never the worker (test_engine's poison case).
+    Raised in a task the async step created, asyncio's Task re-raises SystemExit out of the
+    event loop: the whole worker stops, with every other run it held."""
+    innocent = client.start("ucf_innocent", None)
+    poisoned = None
+    errors: list[BaseException] = []
+    try:
+        with running_worker(dsn):
+            wait_for(lambda: client.get(innocent).status == "running", what="innocent running")
+            poisoned = client.start("ucf_subtask_systemexit", None)
+            run = client.wait(poisoned, timeout=10)
+            assert run.status == "dead_letter"
+            assert client.wait(innocent, timeout=10).status == "completed"
+    except BaseException as exc:
+        errors.append(exc)
+    assert not errors, repr(errors[0])

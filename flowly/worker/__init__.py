@@ -49,6 +49,7 @@ from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schedules import tick_statement
 from ..schema import install_dsn
+from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .heartbeat import Heartbeat
@@ -272,7 +273,8 @@ class Worker:
             )
             await self._pool.open()
             try:
-                await self._serve_until_stopped(self._pool)
+                with containing_user_tasks(loop):
+                    await self._serve_until_stopped(self._pool)
             finally:
                 await self._unregister()
                 await self._pool.close(timeout=_SHUTDOWN_CALL_TIMEOUT)
@@ -682,4 +684,5 @@ async def _call_body(workflow: Workflow, ctx: Context, input: Any) -> Any:
     if workflow.signature_error is not None:
         raise WorkflowCodeError(
             f"workflow {workflow.name!r} must take (ctx, input): {workflow.signature_error}")
-    return await workflow.fn(ctx, input)
+    with user_code():
+        return await workflow.fn(ctx, input)

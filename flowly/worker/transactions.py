@@ -30,6 +30,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from ..context import UserCodeFailed, serialise_output
 from ..db import Calls, translated_errors
 from ..errors import FlowlyError, WorkflowCodeError
+from ..user_tasks import user_code
 from ..workflow import is_async
 from . import session
 from .step_threads import StepThreads
@@ -130,7 +131,8 @@ class Transactions:
             with translated_errors():
                 await conn.execute(begin, begin_args)
             try:
-                result = await fn(conn, *args)
+                with user_code():
+                    result = await fn(conn, *args)
             except Exception as exc:
                 raise _failure_of(conn, exc) from exc
             query, params = finish(result)
