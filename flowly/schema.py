@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from .db import DEFAULT_SCHEMA, check_schema_name
+from .errors import SchemaError, SchemaNotInstalled
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +156,24 @@ def installed_versions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHE
     query = sql.SQL("select version from {}.schema_migrations order by version").format(
         sql.Identifier(schema))
     return [row[0] for row in conn.execute(query)]
+
+
+def check_current(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> None:
+    """Raise unless ``schema`` has every migration this flowly ships: a worker that does not
+    install must not serve a schema whose functions are older than its code expects."""
+    installed = set(installed_versions(conn, schema))
+    if not installed:
+        raise SchemaNotInstalled(
+            f"flowly is not installed in schema {schema!r}; run `flowly install`")
+    missing = [m.name for m in migrations() if m.version not in installed]
+    if missing:
+        raise SchemaError(
+            f"schema {schema!r} lacks {len(missing)} migration(s) this flowly needs"
+            f" ({', '.join(missing)}): run `flowly install` to apply them, then start the"
+            " worker again")
+
+
+def check_current_dsn(dsn: str, schema: str = DEFAULT_SCHEMA) -> None:
+    """Connect to ``dsn`` and :func:`check_current`."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        check_current(conn, schema)

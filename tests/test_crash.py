@@ -146,7 +146,7 @@ def test_graceful_shutdown_releases_leases_at_once(
             takeover = time.monotonic() - released_at
             staying.stop()
     log = leaving.stop()
-    assert "released 1 unfinished run" in log
+    assert "released 1 of the 1 run(s) in flight" in log
     assert new_holder != holder
     assert takeover < 1.0, f"took {takeover:.2f}s, a lease expiry would take 30s"
 

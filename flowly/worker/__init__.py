@@ -48,7 +48,7 @@ from ..group_commit import GroupCommitter
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schedules import tick_statement
-from ..schema import install_dsn
+from ..schema import check_current_dsn, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
@@ -259,8 +259,8 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
         try:
-            if self.install_schema:
-                await asyncio.to_thread(install_dsn, self.dsn, self._calls.schema)
+            if not await self._schema_ready():
+                return
             lease = self.lease
 
             async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -283,6 +283,33 @@ class Worker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _schema_ready(self) -> bool:
+        """Apply the missing migrations (install_schema) or check there are none; False when
+        the worker was stopped meanwhile. An install may wait for the install lock (another
+        worker migrating) or for a lock a migration needs (a dashboard's open transaction):
+        a stop cancels that wait on the server, so SIGTERM is heard."""
+        if not self.install_schema:
+            await asyncio.to_thread(check_current_dsn, self.dsn, self._calls.schema)
+            return True
+        conn: psycopg.Connection[Any] = await asyncio.to_thread(
+            partial(psycopg.Connection.connect, self.dsn, autocommit=True))
+        try:
+            installing = asyncio.ensure_future(
+                asyncio.to_thread(install, conn, self._calls.schema))
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait({installing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not installing.done():
+                logger.info("stopped while installing the schema: cancelling the install")
+                await asyncio.to_thread(conn.cancel_safe, timeout=_SHUTDOWN_CALL_TIMEOUT)
+                with contextlib.suppress(Exception):  # its transaction rolled back
+                    await installing
+                return False
+            await installing
+            return True
+        finally:
+            await asyncio.to_thread(conn.close)
 
     async def _unregister(self) -> None:
         """Leave flowly.workers, also after a shutdown that was cut short: a row left behind
@@ -515,15 +542,20 @@ class Worker:
             # a step that ignores its cancellation must not hold the shutdown up: the release
             # bumps the epoch, so nothing it writes afterwards can land
             await asyncio.wait(tasks, timeout=_CANCEL_GRACE)
+            # a sync transactional function runs on in its thread, its transaction holding
+            # the run's row: its statement is cancelled so the row is free to release
+            await asyncio.to_thread(self._transactions.stop_sync_transactions, _CANCEL_GRACE)
         try:
             async with asyncio.timeout(_SHUTDOWN_CALL_TIMEOUT):
-                rows = await self._call(self._calls.release, (
+                (released,), = await self._call(self._calls.release, (
                     [h.run_id for h in unfinished], [h.epoch for h in unfinished]))
         except Exception as exc:
             logger.warning("could not release %d run(s); other workers take them when their"
                            " leases expire: %s", len(unfinished), exc)
-        else:
-            logger.info("released %s unfinished run(s) for other workers", rows[0][0])
+            return
+        logger.info("released %d of the %d run(s) in flight for other workers (the others"
+                    " finished meanwhile, or their rows were busy: those go when their leases"
+                    " expire)", released, len(unfinished))
 
     # -- executing --------------------------------------------------------------------------
 

@@ -3,12 +3,15 @@
 A worker that freezes (SIGSTOP, a paused VM) or loses its network in the middle of a commit
 must not pin the rows it locked for hours: its transactions are cut after about a lease of
 idleness, a statement may not run much past a lease, dead peers are noticed through TCP
-keepalives within about a lease, and no call waits long for a lock (the hot path skips locked
+keepalives within about a lease, a server running a statement for a worker that died (a
+transactional step's long SQL, whose statement timeout is lifted) notices within a third of
+a lease, and no call waits long for a lock (the hot path skips locked
 rows anyway; this bounds the rest, such as a start behind an uncommitted concurrency key).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import psycopg
@@ -55,9 +58,22 @@ _SET = "select set_config('lock_timeout', %(lock_timeout)s, false)," \
        " %(idle_in_transaction_session_timeout)s, false)"
 
 
+# PostgreSQL 14+ on Linux, macOS and the BSDs; elsewhere the server refuses a value other than
+# 0, and the worker goes without (a dead worker's statement then runs to its end)
+_CHECK_CLIENT = "select set_config('client_connection_check_interval', %s, false)"
+
+
+def _check_client_every(lease: float) -> tuple[str]:
+    return (str(max(1000, int(lease * 1000 / 3))),)
+
+
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
     await conn.execute(_SET, settings(lease))
+    with contextlib.suppress(psycopg.errors.InvalidParameterValue):
+        await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
 
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
     conn.execute(_SET, settings(lease))
+    with contextlib.suppress(psycopg.errors.InvalidParameterValue):
+        conn.execute(_CHECK_CLIENT, _check_client_every(lease))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -67,10 +68,26 @@ class Transactions:
         self._relaxed_timeouts = (str(int(lease * 1000 * _IDLE_LEASES)),)
         self._sync_pool: ConnectionPool | None = None
         self._sync_pool_lock = threading.Lock()
+        # the connections of sync functions running on step threads, which cancelling a
+        # step's task does not stop: stop_sync_transactions cancels their statements
+        self._in_sync_transactions: set[psycopg.Connection[Any]] = set()
+        self._sync_transactions_ended = threading.Condition()
 
     def close(self) -> None:
         if self._sync_pool is not None:
             self._sync_pool.close(timeout=1.0)
+
+    def stop_sync_transactions(self, timeout: float) -> None:
+        """Cancel the statements of the sync transactional functions still running (their
+        tasks were cancelled, their threads run on) and wait up to ``timeout`` seconds for
+        their transactions to roll back, so the runs' rows are free to be released."""
+        with self._sync_transactions_ended:
+            running = list(self._in_sync_transactions)
+        for conn in running:
+            conn.cancel_safe(timeout=timeout)
+        with self._sync_transactions_ended:
+            self._sync_transactions_ended.wait_for(
+                lambda: not self._in_sync_transactions, timeout=timeout)
 
     async def step(
         self, run_id: str, epoch: int, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -134,7 +151,10 @@ class Transactions:
                 with user_code():
                     result = await fn(conn, *args)
             except Exception as exc:
-                raise _failure_of(conn, exc) from exc
+                failure = _failure_of(conn, exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
             query, params = finish(result)
             with translated_errors():
                 cursor = await conn.execute(query, params)
@@ -145,7 +165,7 @@ class Transactions:
         args: tuple[Any, ...], isolation: str | None,
         finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
     ) -> Any:
-        with self._sync_connections().connection() as conn, conn.transaction():
+        with self._sync_connections().connection() as conn, self._sync_transaction(conn):
             if isolation is not None:
                 conn.execute(_set_isolation(isolation))
             conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
@@ -154,10 +174,26 @@ class Transactions:
             try:
                 result = fn(conn, *args)
             except Exception as exc:
-                raise _failure_of(conn, exc) from exc
+                failure = _failure_of(conn, exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
             query, params = finish(result)
             with translated_errors():
                 return conn.execute(query, params).fetchone()
+
+    @contextmanager
+    def _sync_transaction(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """A transaction on ``conn``, which stop_sync_transactions may cancel meanwhile."""
+        with self._sync_transactions_ended:
+            self._in_sync_transactions.add(conn)
+        try:
+            with conn.transaction():
+                yield
+        finally:
+            with self._sync_transactions_ended:
+                self._in_sync_transactions.discard(conn)
+                self._sync_transactions_ended.notify_all()
 
     def _sync_connections(self) -> ConnectionPool:
         """The pool for sync transactional functions, opened on first use (from a thread)."""
@@ -173,12 +209,17 @@ class Transactions:
 
 
 def _failure_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
-                exc: Exception) -> UserCodeFailed:
-    """The step's failure when its function raised ``exc``. A function that ended flowly's
+                exc: Exception) -> Exception:
+    """What to raise when the function raised ``exc``: the step's failure, or ``exc`` itself
+    when the connection broke under it (a server restart, a terminated backend: nothing
+    committed, and it is the database's failure, not the step's, so the run is abandoned
+    until its lease expires, as for any engine call). A function that ended flowly's
     transaction itself (COMMIT or ROLLBACK as SQL; psycopg refuses only ``conn.commit()``)
     may have committed its effects: trying it again could apply them twice, so it fails
     without retries. (One that went on in a new transaction and returned is refused by the
     checkpoint, which checks its transaction.)"""
+    if conn.broken or conn.closed:
+        return exc
     if conn.info.transaction_status == pq.TransactionStatus.IDLE:
         ended = WorkflowCodeError(
             f"the function ended the transaction flowly opened for it (a COMMIT or ROLLBACK in"

@@ -1,0 +1,321 @@
+"""The worker's lifecycle and its behaviour under failure: signals, crashes and
+shutdowns in the middle of transactional steps, start-up against an older schema.
+
+The workflows below are served by worker subprocesses started with
+``--app tests.test_worker_under_failure`` (they register when this module is imported)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from flowly.schema import INSTALL_LOCK_KEY
+from tests.support import ROOT, running_worker, scalar, wait_for
+
+# -- workflows ------------------------------------------------------------------------------
+
+
+def _sql_sleep(conn: psycopg.Connection[Any], seconds: float) -> str:
+    conn.execute("select pg_sleep(%s)", (seconds,))
+    return "slept"
+
+
+async def _sql_sleep_async(conn: psycopg.AsyncConnection[Any], seconds: float) -> str:
+    await conn.execute("select pg_sleep(%s)", (seconds,))
+    return "slept"
+
+
+@flowly.workflow("wuf_tx_sql_sleep")
+async def wuf_tx_sql_sleep(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    """One transactional step whose SQL runs ``seconds`` on the server (a long report, a
+    big UPDATE), the first time only: a takeover finds it quick."""
+    seconds = inp["seconds"] if ctx.attempt == 1 and not _taken_over(ctx) else 0
+    fn = _sql_sleep_async if inp.get("async") else _sql_sleep
+    return await ctx.transaction("report", fn, seconds)
+
+
+def _taken_over(ctx: flowly.Context) -> bool:
+    with psycopg.connect(os.environ["FLOWLY_DSN"], autocommit=True) as conn:
+        row = conn.execute("select lease_epoch > 1 from flowly.runs where id = %s",
+                           (ctx.run_id,)).fetchone()
+    return bool(row and row[0])
+
+
+@flowly.workflow("wuf_quick")
+async def wuf_quick(ctx: flowly.Context, inp: Any) -> Any:
+    return inp
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+class _Proc:
+    def __init__(self, dsn: str, *args: str) -> None:
+        env = {**os.environ, "FLOWLY_DSN": dsn, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowly.worker", "--app", "tests.test_worker_under_failure",
+             "--dsn", dsn, "--poll-interval", "0.1", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        out, _ = self.proc.communicate()
+        return out
+
+
+@contextmanager
+def worker_process(dsn: str, *args: str) -> Iterator[_Proc]:
+    process = _Proc(dsn, *args)
+    try:
+        yield process
+    except BaseException:
+        sys.stderr.write(f"worker {process.proc.pid} logged:\n{process.output()}")
+        raise
+    finally:
+        if process.proc.poll() is None:
+            process.proc.kill()
+            process.proc.communicate()
+
+
+def _run_row_locked(db: psycopg.Connection[Any], run_id: str) -> bool:
+    """Whether some transaction holds the run's row (claim and release skip it then)."""
+    try:
+        with db.transaction():
+            db.execute("select 1 from flowly.runs where id = %s for update nowait", (run_id,))
+    except psycopg.errors.LockNotAvailable:
+        return True
+    return False
+
+
+def _in_report(db: psycopg.Connection[Any]) -> bool:
+    return bool(scalar(db, "select count(*) from pg_stat_activity where datname ="
+                           " current_database() and query like 'select pg_sleep%%'"
+                           " and state = 'active'"))
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_sigterm_during_a_transactional_step_s_sql_releases_the_run_at_once(
+    dsn: str, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """README: on SIGTERM the worker "releases the rest so another worker takes them at once".
+    A transactional step whose SQL is still running on the server when the drain timeout
+    ends must be rolled back and its run released, whether its function is async or sync."""
+    with flowly.Client(dsn) as client:
+        run_id = client.start("wuf_tx_sql_sleep", {"seconds": 40, "async": kind == "async"})
+    with worker_process(dsn, "--lease", "30", "--drain-timeout", "0.5") as leaving:
+        wait_for(lambda: _in_report(db), what="the step's SQL running")
+        leaving.proc.send_signal(signal.SIGTERM)
+        assert leaving.proc.wait(15) == 0
+        log = leaving.output()
+    # the run must be free (not locked by the dead worker's still-running SQL) and released
+    time.sleep(1.0)
+    assert not _run_row_locked(db, run_id), (
+        "the worker exited, yet its transactional step's SQL still runs on the server and"
+        f" holds the run's row: nobody can take it over\n{log}")
+    run = db.execute("select status, locked_by from flowly.runs where id = %s",
+                     (run_id,)).fetchone()
+    assert run == ("pending", None), f"not released: {run}\n{log}"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_killed_worker_s_transactional_sql_does_not_hold_its_run_past_the_lease(
+    dsn: str, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """README (sessions): "a worker frozen or cut off in the middle of a commit holds its row
+    locks for about a lease, not for hours"; leases: an expired lease makes the run claimable.
+    A worker SIGKILLed while its transactional step's SQL runs (statement_timeout is lifted
+    for it) leaves a backend that goes on running that SQL, holding the run's row, so claim
+    skips the run for as long as the SQL runs (40 s here, hours for a real report)."""
+    with flowly.Client(dsn) as client:
+        run_id = client.start("wuf_tx_sql_sleep", {"seconds": 40, "async": kind == "async"})
+        with worker_process(dsn, "--lease", "2") as first:
+            wait_for(lambda: _in_report(db), what="the step's SQL running")
+            first.proc.kill()
+            first.proc.wait(10)
+        killed_at = time.monotonic()
+        with worker_process(dsn, "--lease", "2") as second:
+            try:
+                run = client.wait(run_id, timeout=12)
+            except flowly.RunTimeout:
+                pytest.fail(f"run not taken over {time.monotonic() - killed_at:.0f}s after its"
+                            " worker died (lease 2s): the dead worker's SQL still holds the"
+                            f" row: locked={_run_row_locked(db, run_id)}")
+            assert run.status == "completed"
+            second.proc.send_signal(signal.SIGTERM)
+            second.proc.wait(15)
+
+
+def test_sigterm_ends_a_worker_waiting_to_migrate_an_older_schema(
+    empty_dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """A worker started against a database at an older schema version migrates it at start,
+    under the install advisory lock. While another session holds that lock (another worker
+    migrating, an operator's `flowly install` in an open transaction), SIGTERM must still end
+    the worker within its drain timeout plus a few seconds (README: "each shutdown call is
+    bounded"); it waits for the lock forever instead, deaf to SIGTERM and SIGINT."""
+    flowly.install_dsn(empty_dsn, target=18)
+    with psycopg.connect(empty_dsn, autocommit=True) as holder:
+        holder.execute("select pg_advisory_lock(%s)", (INSTALL_LOCK_KEY,))
+        with worker_process(empty_dsn, "--drain-timeout", "1", "--lease", "2") as worker:
+            dbname = psycopg.conninfo.conninfo_to_dict(empty_dsn)["dbname"]
+            wait_for(lambda: scalar(db, "select count(*) from pg_stat_activity where datname = %s"
+                                        " and wait_event = 'advisory'", dbname),
+                     what="the worker waiting for the install lock")
+            started = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            try:
+                worker.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pytest.fail("SIGTERM did not end a worker waiting to migrate the schema"
+                            f" ({time.monotonic() - started:.0f}s)")
+
+
+@flowly.workflow("wuf_fails_first_generation", max_attempts=1)
+async def wuf_fails_first_generation(ctx: flowly.Context, inp: Any) -> Any:
+    def once() -> str:
+        if ctx.generation == 1:
+            raise ValueError("first generation fails")
+        return "ok"
+
+    return await ctx.step("once", once, retry=flowly.Retry(max_attempts=1))
+
+
+def test_a_worker_that_does_not_migrate_refuses_an_older_schema_instead_of_spinning(
+    empty_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Worker(install_schema=False) against a database one migration behind (an operator
+    migrates by hand and rolled out the new release first). The worker must either refuse to
+    start, naming the versions and `flowly migrate`, or serve runs correctly. It does
+    neither: it starts, and a retried dead letter (generation 2) calls undone_steps, which
+    the older schema lacks; the run is abandoned, claimed again by the same live worker,
+    abandoned again, forever (no takeover is counted: its worker is alive)."""
+    flowly.install_dsn(empty_dsn, target=18)
+    worker = flowly.Worker(empty_dsn, ["wuf_fails_first_generation"], install_schema=False,
+                           poll_interval=0.1, lease=1)
+    outcome: list[BaseException | None] = []
+    loop = asyncio.new_event_loop()
+
+    def serve() -> None:
+        try:
+            loop.run_until_complete(worker.run())
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            loop.close()
+
+    def status_of(run_id: str) -> Any:
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            return scalar(conn, "select status from flowly.runs where id = %s", run_id)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    status = None
+    try:
+        with flowly.Client(empty_dsn) as client:
+            run_id = client.start("wuf_fails_first_generation", None)
+            wait_for(lambda: outcome or status_of(run_id) == "dead_letter", timeout=8,
+                     what="generation 1 dead-lettered")
+            if not outcome:
+                client.retry_dead_letter(run_id)
+                deadline = time.monotonic() + 6
+                while time.monotonic() < deadline and not outcome:
+                    status = status_of(run_id)
+                    if status == "completed":
+                        break
+                    time.sleep(0.2)
+    finally:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(worker.stop)
+        thread.join(20)
+    if outcome and outcome[0] is not None:  # refused to start: fine if it says why
+        assert "migrat" in str(outcome[0]), outcome[0]
+        return
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        epoch = scalar(conn, "select lease_epoch from flowly.runs where id = %s", run_id)
+    internal = caplog.text.count("interrupted by an internal error")
+    assert status == "completed", (
+        f"the worker served an older schema: the run is {status!r} 6s after its retry, claimed"
+        f" {epoch} times, {internal} internal errors")
+
+
+def test_an_output_of_exactly_the_limit_lands_in_a_batch_of_small_ones(
+    dsn: str, client: flowly.Client
+) -> None:
+    """An output of exactly max_output_bytes of JSON is allowed (only a larger one fails); as a
+    checkpoint and as the run's output it is group-committed together with small ones."""
+    import tests.workflows  # noqa: F401  (registers "echo")
+    limit = 1024 * 1024
+    value = "x" * (limit - 2)  # its JSON: the value in quotes, exactly `limit` bytes
+    big = client.start("echo", {"value": value, "wait": 0.3})
+    small = [client.start("echo", {"value": i, "wait": 0.3}) for i in range(30)]
+    with running_worker(dsn, max_output_bytes=limit, concurrency=64):
+        run = client.wait(big, timeout=30)
+        assert [client.wait(r, timeout=30).output for r in small] == list(range(30))
+    assert run.status == "completed", run.error
+    assert run.output == value
+
+
+@flowly.workflow("wuf_tx_once")
+async def wuf_tx_once(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    """A transactional step allowed one attempt, whose SQL takes a while the first time."""
+    seconds = inp["seconds"] if ctx.attempt == 1 and not _taken_over(ctx) else 0
+    fn = _sql_sleep_async if inp.get("async") else _sql_sleep
+    return await ctx.transaction("report", fn, seconds, retry=flowly.Retry(max_attempts=1))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_dropped_connection_under_a_transactional_step_abandons_it_rather_than_failing_it(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """The worker's connection is terminated (a failover, pg_terminate_backend) while a
+    transactional step's SQL runs. Nothing committed, so the run must be resumed as after any
+    lost engine connection (README: a failed engine write abandons the run, and any worker
+    resumes it from the last checkpoint). Instead the lost connection is taken for the user
+    function's own failure: the step fails through its retry policy, so a step allowed one
+    attempt dead-letters its run because of a database blip."""
+    # the client fixture sets FLOWLY_DSN, which _taken_over reads
+    run_id = client.start("wuf_tx_once", {"seconds": 30, "async": kind == "async"})
+    with running_worker(dsn, lease=2):
+        wait_for(lambda: _in_report(db), what="the step's SQL running")
+        db.execute("select pg_terminate_backend(pid) from pg_stat_activity where datname ="
+                   " current_database() and query like 'select pg_sleep%%'")
+        run = client.wait(run_id, timeout=12)
+    assert run.status == "completed", (run.status, run.error)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_transactional_steps_that_fill_the_pool_leave_room_for_other_runs_and_heartbeats(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """max_connections=2: transactional steps whose SQL outlasts two leases take what the
+    pool allows them; ordinary runs still claim and commit meanwhile, and the heartbeat keeps
+    the long steps' leases (nothing is taken over)."""
+    long = [client.start("wuf_tx_sql_sleep", {"seconds": 3.5, "async": kind == "async"})
+            for _ in range(2)]
+    with running_worker(dsn, lease=1.5, max_connections=2):
+        wait_for(lambda: _in_report(db), what="a step's SQL running")
+        started = time.monotonic()
+        quick = [client.start("wuf_quick", i) for i in range(5)]
+        assert [client.wait(r, timeout=10).output for r in quick] == list(range(5))
+        assert time.monotonic() - started < 3
+        for run_id in long:
+            assert client.wait(run_id, timeout=20).status == "completed"
+    epochs = {scalar(db, "select lease_epoch from flowly.runs where id = %s", r) for r in long}
+    assert epochs == {1}  # no takeover
