@@ -346,6 +346,8 @@ def resolve_run_id(client: Client, given: str) -> str:
 
     An ambiguous prefix is a usage error listing the candidates; no match is RunNotFound.
     """
+    if not given:
+        raise CliError("RUN must not be empty: give a run id or a prefix of one", EXIT_USAGE)
     schema = sql.Identifier(client.calls.schema)
     exact = sql.SQL("select id from {}.runs where id = %s").format(schema)
     if client._fetch(exact, (given,)):

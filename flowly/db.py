@@ -29,8 +29,10 @@ _MAX_IDENTIFIER_BYTES = 63
 def check_schema_name(schema: str) -> str:
     """Return ``schema`` if Postgres can use it as given, else raise :class:`SchemaError`.
 
-    Any character is allowed (names are always quoted); empty names, names longer than 63
-    bytes and the reserved ``pg_`` prefix are refused with a message naming the problem.
+    Any printable character is allowed (names are always quoted); empty names, names longer
+    than 63 bytes, the reserved ``pg_`` prefix and control characters (a newline would end
+    the psql meta-command that ``install --print-sql`` writes the name into) are refused
+    with a message naming the problem.
     """
     if not schema:
         raise SchemaError("schema name must not be empty")
@@ -39,8 +41,8 @@ def check_schema_name(schema: str) -> str:
     if re.match(r"pg_", schema, re.IGNORECASE):
         raise SchemaError(
             f"schema name {schema!r} is reserved: names starting with pg_ belong to PostgreSQL")
-    if "\x00" in schema:
-        raise SchemaError(f"schema name {schema!r} contains a NUL character")
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in schema):
+        raise SchemaError(f"schema name {schema!r} contains a control character")
     return schema
 
 

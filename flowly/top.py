@@ -87,7 +87,7 @@ _QUERIES: dict[str, str] = {
     "dead_letters": """
         select run_id, workflow, failed_step, error,
                extract(epoch from now() - finished_at)::float8 as age
-        from {s}.dead_letters order by finished_at desc limit %(limit)s""",
+        from {s}.dead_letters order by created_at desc limit %(limit)s""",
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -223,6 +224,12 @@ class Worker:
         self.lease = _seconds(lease)
         self.poll_interval = _seconds(poll_interval)
         self.drain_timeout = _seconds(drain_timeout)
+        for name, value in (("lease", self.lease), ("poll_interval", self.poll_interval)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not 0 <= self.drain_timeout < math.inf:
+            raise ValueError(f"drain_timeout must be zero or more seconds, got"
+                             f" {self.drain_timeout}")
         self.max_connections = max_connections
         self.default_retry = default_retry or Retry()
         self.install_schema = install_schema
