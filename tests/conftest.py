@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql import factories
 
@@ -26,7 +27,9 @@ import flowly
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flowly.schema import setup_roles  # noqa: E402
 from tests.servers import choose_server, describe  # noqa: E402
+from tests.support import READER, WORKER  # noqa: E402
 
 CHOICE = choose_server(os.environ)
 
@@ -104,6 +107,27 @@ def client(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[flowly.Client]
     monkeypatch.setenv("FLOWLY_DSN", dsn)
     with flowly.Client(dsn) as c:
         yield c
+
+
+@pytest.fixture
+def roles(dsn: str, db: psycopg.Connection[Any]) -> Iterator[tuple[str, str]]:
+    """Login roles that are members of the worker and reader roles; DSNs for each."""
+    try:
+        setup_roles(db, worker=WORKER, reader=READER)
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("the test database's user may not create roles")
+    logins = {WORKER: f"{WORKER}_login", READER: f"{READER}_login"}
+    for role, login in logins.items():
+        db.execute(sql.SQL("create role {} login in role {}").format(
+            sql.Identifier(login), sql.Identifier(role)))
+    db.execute(sql.SQL("grant insert, select on public.test_effects to {}").format(
+        sql.Identifier(logins[WORKER])))
+    try:
+        yield (make_conninfo(dsn, user=logins[WORKER]), make_conninfo(dsn, user=logins[READER]))
+    finally:
+        for role in (*logins.values(), WORKER, READER):
+            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -19,6 +19,8 @@ import psycopg
 import flowly
 
 ROOT = Path(__file__).resolve().parent.parent
+# the worker and reader roles setup_roles makes for the tests of this process (the roles fixture)
+WORKER, READER = f"fw_worker_{os.getpid()}", f"fw_reader_{os.getpid()}"
 
 
 @contextmanager

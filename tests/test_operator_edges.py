@@ -5,49 +5,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 import flowly
 from flowly.schema import install, installed_versions, migrations, setup_roles
 from tests import workflows as _workflows  # noqa: F401  (registers the test workflows)
-from tests.support import running_worker, wait_for
+from tests.support import READER, WORKER, running_worker, wait_for
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok, one_error_line
 
-WORKER, READER = f"atk_worker_{os.getpid()}", f"atk_reader_{os.getpid()}"
 requires_psql = pytest.mark.skipif(shutil.which("psql") is None, reason="needs psql")
-
-
-@pytest.fixture
-def roles(dsn: str, db: psycopg.Connection[Any]) -> Iterator[tuple[str, str]]:
-    """Login roles in the worker and reader roles (only the defaults PUBLIC has besides)."""
-    try:
-        setup_roles(db, worker=WORKER, reader=READER)
-    except psycopg.errors.InsufficientPrivilege:
-        pytest.skip("the test database's user may not create roles")
-    logins = {WORKER: f"{WORKER}_login", READER: f"{READER}_login"}
-    for role, login in logins.items():
-        db.execute(sql.SQL("create role {} login in role {}").format(
-            sql.Identifier(login), sql.Identifier(role)))
-    db.execute(sql.SQL("grant insert, select on public.test_effects to {}").format(
-        sql.Identifier(logins[WORKER])))
-    try:
-        yield (make_conninfo(dsn, user=logins[WORKER]), make_conninfo(dsn, user=logins[READER]))
-    finally:
-        for role in (*logins.values(), WORKER, READER):
-            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
-            db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
 
 
 # A type of the caller's own whose cast to json is the caller's code: to_jsonb calls it.

@@ -3,43 +3,17 @@ role for dashboards (``flowly install --roles``)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 import flowly
-from flowly.schema import install_dsn, setup_roles
-from tests.support import running_worker
+from flowly.schema import install_dsn
+from tests.support import READER, WORKER, running_worker
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
-
-WORKER, READER = f"fw_worker_{os.getpid()}", f"fw_reader_{os.getpid()}"
-
-
-@pytest.fixture
-def roles(dsn: str, db: psycopg.Connection[Any]) -> Iterator[tuple[str, str]]:
-    """Login roles that are members of the worker and reader roles; DSNs for each."""
-    try:
-        setup_roles(db, worker=WORKER, reader=READER)
-    except psycopg.errors.InsufficientPrivilege:
-        pytest.skip("the test database's user may not create roles")
-    logins = {WORKER: f"{WORKER}_login", READER: f"{READER}_login"}
-    for role, login in logins.items():
-        db.execute(sql.SQL("create role {} login in role {}").format(
-            sql.Identifier(login), sql.Identifier(role)))
-    db.execute(sql.SQL("grant insert, select on public.test_effects to {}").format(
-        sql.Identifier(logins[WORKER])))
-    try:
-        yield (make_conninfo(dsn, user=logins[WORKER]), make_conninfo(dsn, user=logins[READER]))
-    finally:
-        for role in (*logins.values(), WORKER, READER):
-            db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
-            db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
 
 
 def test_the_worker_role_runs_workflows_through_functions_only(
