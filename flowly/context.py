@@ -206,7 +206,8 @@ async def run_write(
         try:
             return await call()
         except UserCodeFailed as failed:
-            raise failed.error from failed.error.__cause__
+            # raised below, outside this handler, which would otherwise become its context
+            user_error = failed.error
         except LeaseLost as exc:
             raise LeaseLostInterrupt(str(exc)) from None
         except Exception as exc:
@@ -220,6 +221,7 @@ async def run_write(
             if refused_raises or isinstance(exc, RefusedWrite):
                 raise
             raise RefusedWrite(str(exc)) from exc
+        raise user_error
 
 
 NOT_RETRYABLE = (WorkflowCodeError, StepOutputNotSerializable, OutputTooLarge, InvalidArgument,

@@ -187,46 +187,41 @@ end
 $$;
 
 -- Applies the wake-ups wake_waiters could not (their run's row was locked): each run still
--- parked becomes due now. One whose row is still locked keeps its wake-up for the next call;
--- one that no longer exists loses it. Workers call this every poll interval; returns how many
--- wake-ups it settled.
+-- parked becomes due now. One whose row is still locked keeps its wake-up for the next call,
+-- and does not count towards the batch (1,000 held rows must not starve a free one); one that
+-- no longer exists loses it. Workers call this every poll interval; returns how many wake-ups
+-- it settled.
 create function wake_missed_waiters() returns integer
 language plpgsql
 set search_path from current
 as $$
 declare
-    v_ids text[];
     v_settled integer;
     v_queues text[];
 begin
-    v_ids := array(
-        select m.run_id from missed_wakeups m
+    with gone as (
+        delete from missed_wakeups m
+        where not exists (select from runs r where r.id = m.run_id)
+        returning m.run_id
+    ), free as (
+        select r.id from missed_wakeups m
+        join runs r on r.id = m.run_id
         order by m.run_id
         limit 1000
-        for update skip locked);
-    if cardinality(v_ids) = 0 then
-        return 0;
-    end if;
-    with present as (
-        select r.id from runs r where r.id = any(v_ids)
-    ), locked as (
-        select r.id from runs r
-        where r.id = any(v_ids)
-        order by r.id
-        for no key update skip locked
+        for no key update of r skip locked
     ), woken as (
         update runs r set scheduled_for = now()
-        from locked l
-        where r.id = l.id and r.status = 'pending' and r.scheduled_for > now()
+        from free f
+        where r.id = f.id and r.status = 'pending' and r.scheduled_for > now()
         returning r.queue
     ), settled as (
         delete from missed_wakeups m
-        where m.run_id = any(v_ids)
-          and (m.run_id in (select l.id from locked l)
-               or m.run_id not in (select p.id from present p))
+        using free f
+        where m.run_id = f.id
         returning m.run_id
     )
-    select (select count(*) from settled), (select array_agg(distinct w.queue) from woken w)
+    select (select count(*) from gone) + (select count(*) from settled),
+           (select array_agg(distinct w.queue) from woken w)
     into v_settled, v_queues;
     perform pg_notify(wakeup_channel(), q) from unnest(v_queues) q;
     return v_settled;

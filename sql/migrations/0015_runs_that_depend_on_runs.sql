@@ -4,8 +4,8 @@
 -- purge deleted a finished run that an unfinished run still needed: a child whose parent had
 -- not read its outcome yet (the parent slept past the retention, or was woken and not yet
 -- claimed), so the parent's wait then failed with WF002 and the parent with it. It now keeps
--- a run some wait still names and a child whose parent is unfinished; they go in a later
--- purge, once their parent finished.
+-- a run that a wait of a live (or dead-lettered, retriable) run names, and a child whose
+-- unfinished parent has not recorded its outcome; they go in a later purge.
 --
 -- cancel waited at most 5 s for the run named, but the update of its descendants raised
 -- PostgreSQL's lock_not_available (55P03) when one of their rows was held longer: now WF005
@@ -13,8 +13,9 @@
 --
 -- retry_dead_letter replayed a wait's recorded failure: a parent that dead-lettered because
 -- its child had failed replayed that failure in every generation, even after the child was
--- retried and completed. A recorded outcome other than completed is now retired with the
--- failed steps (to step_history), so the new generation asks for the other run's outcome again.
+-- retried and completed. The recorded failure that ended the run (ChildFailed) is now retired
+-- with the failed steps (to step_history), so the new generation asks for the other run's
+-- outcome again; a failure the body caught and went on from stays, for an exact replay.
 
 -- purge as in 0005, but for the runs an unfinished run may still read.
 create or replace function purge(
@@ -46,10 +47,20 @@ begin
         select r.id from runs r
         where r.finished_at < now() - purge.older_than
           and r.status = any(purge.statuses)
-          and not exists (select from waits w where w.target = r.id and w.kind = 'run')
+          -- a run some wait names, while its waiter may still read it (a dead-lettered
+          -- waiter may be retried: it is kept until that waiter is purged)
+          and not exists (select from waits w
+                          join runs waiter on waiter.id = w.run_id
+                          where w.target = r.id and w.kind = 'run'
+                            and waiter.status in ('pending', 'running', 'compensating',
+                                                  'dead_letter'))
+          -- a child whose unfinished parent has not recorded its outcome yet
           and not exists (select from runs p
                           where p.id = r.parent_run_id
-                            and p.status in ('pending', 'running', 'compensating'))
+                            and p.status in ('pending', 'running', 'compensating')
+                            and not exists (select from steps s
+                                            where s.run_id = p.id and s.kind = 'run'
+                                              and s.name = 'run:' || r.id))
         order by r.finished_at
         limit purge.batch
         for update skip locked
@@ -93,14 +104,20 @@ exception
 end
 $$;
 
--- Whether retry_dead_letter retires a step row (moves it to step_history and runs it again):
--- a failed step, a step whose compensation ran, a wait that recorded another run's failure.
-create function retired_by_retry(p_step steps) returns boolean
-language sql immutable
+-- Whether retry_dead_letter retires a step row of run p_run (moves it to step_history and runs
+-- it again): a failed step, a step whose compensation ran, and the wait whose recorded failure
+-- of another run ended p_run (ChildFailed; the last such record). A failure the body caught
+-- and went on from stays, so the retried body takes the same branch.
+create function retired_by_retry(p_step steps, p_run runs) returns boolean
+language sql stable
 set search_path from current
 as $$
     select p_step.status = 'failed' or p_step.compensation_status is not null
-        or (p_step.kind = 'run' and p_step.output ->> 'status' is distinct from 'completed')
+        or (p_step.kind = 'run' and p_step.output ->> 'status' is distinct from 'completed'
+            and p_run.error ->> 'type' = 'ChildFailed'
+            and p_step.seq = (select max(s.seq) from steps s
+                              where s.run_id = p_run.id and s.kind = 'run'
+                                and s.output ->> 'status' is distinct from 'completed'))
 $$;
 
 -- retry_dead_letter as in 0003, but what it retires is retired_by_retry's: a recorded
@@ -125,14 +142,14 @@ begin
            s.error, s.attempts, s.started_at, s.finished_at, s.compensable,
            s.compensation_status, s.compensation_error, s.compensated_at
     from steps s
-    where s.run_id = v_run.id and retired_by_retry(s)
+    where s.run_id = v_run.id and retired_by_retry(s, v_run)
     on conflict do nothing;
     select min(s.position) into v_first_rerun from steps s
     where s.run_id = v_run.id
-      and retired_by_retry(s) and s.compensation_status is distinct from 'failed';
+      and retired_by_retry(s, v_run) and s.compensation_status is distinct from 'failed';
     delete from steps s
     where s.run_id = v_run.id
-      and retired_by_retry(s) and s.compensation_status is distinct from 'failed';
+      and retired_by_retry(s, v_run) and s.compensation_status is distinct from 'failed';
     update steps s set compensation_status = null, compensation_error = null, compensated_at = null
     where s.run_id = v_run.id and s.compensation_status is not null;
     delete from timers t where t.run_id = v_run.id and t.position > v_first_rerun;
