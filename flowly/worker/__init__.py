@@ -519,9 +519,10 @@ class Worker:
             await asyncio.sleep(min(self.poll_interval, _SCHEDULE_TICK_MAX))
 
     async def _apply_missed_wakeups(self) -> None:
-        """Make due, about every poll_interval, the parked runs whose wake-up found their row
-        locked by another transaction (wake_missed_waiters). Any worker may: each wake-up is
-        taken with skip locked."""
+        """Make due, about every poll_interval (at most once a second: such wake-ups are
+        rare, and a worker polling very often need not ask that often), the parked runs whose
+        wake-up found their row locked by another transaction (wake_missed_waiters). Any
+        worker may: each wake-up is taken with skip locked."""
         while True:
             try:
                 (settled,), = await self._call(self._calls.wake_missed_waiters, None)
@@ -529,7 +530,7 @@ class Worker:
                     logger.info("applied %d wake-up(s) that had found their run busy", settled)
             except Exception as exc:  # the next round may get through
                 logger.warning("applying missed wake-ups failed: %s", exc)
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(max(self.poll_interval, 1.0))
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]
