@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -379,12 +379,21 @@ class Worker:
                                     name="flowly-loop-ticks"),
             ]
             if self.purge_after is not None:
-                background.append(asyncio.create_task(
-                    self._purge_loop(timedelta(seconds=self.purge_after)), name="flowly-purge"))
-            background.append(asyncio.create_task(self._tick_schedules(),
-                                                  name="flowly-schedules"))
-            background.append(asyncio.create_task(self._apply_missed_wakeups(),
-                                                  name="flowly-missed-wakeups"))
+                background.append(asyncio.create_task(self._periodically(
+                    _PURGE_EVERY, "purging finished runs",
+                    partial(self._purge, timedelta(seconds=self.purge_after))),
+                    name="flowly-purge"))
+            # at least every _SCHEDULE_TICK_MAX, well within the minute after which a fire
+            # time counts as missed, whatever the poll interval
+            background.append(asyncio.create_task(self._periodically(
+                min(self.poll_interval, _SCHEDULE_TICK_MAX), "ticking the cron schedules",
+                partial(self._tick_schedules, tick_statement(self._calls.schema))),
+                name="flowly-schedules"))
+            # at most once a second: such wake-ups are rare, and a worker polling very often
+            # need not ask that often
+            background.append(asyncio.create_task(self._periodically(
+                max(self.poll_interval, 1.0), "applying missed wake-ups",
+                self._apply_missed_wakeups), name="flowly-missed-wakeups"))
             await self._claim_loop()
             await self._drain()
         finally:
@@ -485,52 +494,43 @@ class Worker:
             heartbeat.loop_turned()
             await asyncio.sleep(min(0.5, self.lease / 6))
 
-    async def _purge_loop(self, older_than: timedelta) -> None:
-        """Delete old finished runs: a few bounded batches a minute, never much at once."""
+    @staticmethod
+    async def _periodically(every: float, what: str,
+                            one_round: Callable[[], Awaitable[None]]) -> None:
+        """Run ``one_round`` every ``every`` seconds until cancelled; a round that fails is
+        logged, and the next may get through."""
         while True:
             try:
-                for _ in range(_PURGE_BATCHES_PER_ROUND):
-                    (deleted,), = await self._call(
-                        self._calls.purge,
-                        (older_than, ["completed", "cancelled", "dead_letter"], 1000))
-                    if deleted:
-                        logger.info("purged %d finished run(s) older than %s", deleted,
-                                    older_than)
-                    if deleted < 1000:
-                        break
-            except Exception as exc:  # the next round may get through
-                logger.warning("purging finished runs failed: %s", exc)
-            await asyncio.sleep(_PURGE_EVERY)
+                await one_round()
+            except Exception as exc:
+                logger.warning("%s failed: %s", what, exc)
+            await asyncio.sleep(every)
 
-    async def _tick_schedules(self) -> None:
-        """Start the runs of due cron schedules about every poll_interval (at least every
-        _SCHEDULE_TICK_MAX, well within the minute after which a fire time counts as missed,
-        whatever the poll interval). Any worker may:
+    async def _purge(self, older_than: timedelta) -> None:
+        """Delete old finished runs: a few bounded batches a round, never much at once."""
+        for _ in range(_PURGE_BATCHES_PER_ROUND):
+            (deleted,), = await self._call(
+                self._calls.purge, (older_than, ["completed", "cancelled", "dead_letter"], 1000))
+            if deleted:
+                logger.info("purged %d finished run(s) older than %s", deleted, older_than)
+            if deleted < 1000:
+                break
+
+    async def _tick_schedules(self, tick: psycopg.sql.Composed) -> None:
+        """Start the runs of due cron schedules (``tick``, tick_statement's). Any worker may:
         tick_schedules takes each schedule with skip locked and names each run after its fire
         time, so workers ticking at once never start a fire time twice."""
-        tick = tick_statement(self._calls.schema)
-        while True:
-            try:
-                for name, fire_at, _run_id, outcome in await self._call(tick, None):
-                    logger.log(logging.WARNING if outcome == "error" else logging.INFO,
-                               "schedule %s, fire time %s: %s", name, fire_at, outcome)
-            except Exception as exc:  # the next tick may get through
-                logger.warning("ticking the cron schedules failed: %s", exc)
-            await asyncio.sleep(min(self.poll_interval, _SCHEDULE_TICK_MAX))
+        for name, fire_at, _run_id, outcome in await self._call(tick, None):
+            logger.log(logging.WARNING if outcome == "error" else logging.INFO,
+                       "schedule %s, fire time %s: %s", name, fire_at, outcome)
 
     async def _apply_missed_wakeups(self) -> None:
-        """Make due, about every poll_interval (at most once a second: such wake-ups are
-        rare, and a worker polling very often need not ask that often), the parked runs whose
-        wake-up found their row locked by another transaction (wake_missed_waiters). Any
-        worker may: each wake-up is taken with skip locked."""
-        while True:
-            try:
-                (settled,), = await self._call(self._calls.wake_missed_waiters, None)
-                if settled:
-                    logger.info("applied %d wake-up(s) that had found their run busy", settled)
-            except Exception as exc:  # the next round may get through
-                logger.warning("applying missed wake-ups failed: %s", exc)
-            await asyncio.sleep(max(self.poll_interval, 1.0))
+        """Make due the parked runs whose wake-up found their row locked by another
+        transaction (wake_missed_waiters). Any worker may: each wake-up is taken with skip
+        locked."""
+        (settled,), = await self._call(self._calls.wake_missed_waiters, None)
+        if settled:
+            logger.info("applied %d wake-up(s) that had found their run busy", settled)
 
     async def _drain(self) -> None:
         tasks = [h.task for h in self._held.values() if h.task is not None]
