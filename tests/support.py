@@ -124,6 +124,23 @@ def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
     return None if row is None else row[0]
 
 
+def claim_as(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dict[str, int]:
+    """Claim up to ``limit`` runs of ``workflow`` for a worker named w, as a worker would from
+    SQL (a lease of an hour); their lease epochs by run id."""
+    return dict(db.execute(
+        "select run_id, lease_epoch from flowly.claim('w', array[%s], array['default'], %s,"
+        " '1 hour')", (workflow, limit)).fetchall())
+
+
+def park_on_run(db: psycopg.Connection[Any], waiter: str, epoch: int, target: str) -> Any:
+    """The worker's two calls for `await ctx.wait_for_run(target)`: register, then park;
+    what park returns (when the waiter is due, None for never)."""
+    outcome = scalar(db, "select outcome from flowly.wait_for_run(%s, %s, %s, %s)",
+                     waiter, epoch, f"run:{target}", target)
+    assert outcome == "waiting"
+    return scalar(db, "select flowly.park(%s, %s, array[%s])", waiter, epoch, f"run:{target}")
+
+
 def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Every node of an EXPLAIN (FORMAT JSON) plan, depth first."""
     yield plan

@@ -12,7 +12,7 @@ import pytest
 
 import flowly
 from flowly.db import translated_errors
-from tests.support import running_worker, scalar
+from tests.support import claim_as, park_on_run, running_worker, scalar
 
 # whether dep_child fails, per run of dep_parent
 _CHILD_FAILS: dict[str, bool] = {}
@@ -33,20 +33,6 @@ async def dep_parent(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.run("dep_child", ctx.run_id)
 
 
-def _claim(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dict[str, int]:
-    return dict(db.execute(
-        "select run_id, lease_epoch from flowly.claim('w', array[%s], array['default'], %s,"
-        " '1 hour')", (workflow, limit)).fetchall())
-
-
-def _park_on_run(db: psycopg.Connection[Any], waiter: str, epoch: int, target: str) -> Any:
-    """The worker's two calls for `await ctx.wait_for_run(target)`: register, then park."""
-    outcome = scalar(db, "select outcome from flowly.wait_for_run(%s, %s, %s, %s)",
-                     waiter, epoch, f"run:{target}", target)
-    assert outcome == "waiting"
-    return scalar(db, "select flowly.park(%s, %s, array[%s])", waiter, epoch, f"run:{target}")
-
-
 def _due(db: psycopg.Connection[Any], run_id: str) -> bool:
     return bool(scalar(db, "select status = 'pending' and scheduled_for <= now()"
                            " from flowly.runs where id = %s", run_id))
@@ -62,7 +48,7 @@ def test_a_child_finished_by_a_transaction_in_flight_still_wakes_its_waiting_par
     due, not parked until 9999-12-31."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c')")
-    epoch = _claim(db, "parent")["p"]
+    epoch = claim_as(db, "parent")["p"]
     with psycopg.connect(dsn) as operator:
         operator.execute("select flowly.cancel('c')")  # the trigger finds no waiter yet
         assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
@@ -83,8 +69,8 @@ def test_a_finish_that_starts_after_park_locked_its_target_sees_the_wait(
     it reports the child busy and finishes it after park committed, waking the parent."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c')")
-    epoch = _claim(db, "parent")["p"]
-    c_epoch = _claim(db, "child")["c"]
+    epoch = claim_as(db, "parent")["p"]
+    c_epoch = claim_as(db, "child")["c"]
     assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
                   epoch) == "waiting"
     with psycopg.connect(dsn) as parking, psycopg.connect(dsn, autocommit=True) as worker:
@@ -107,9 +93,9 @@ def test_a_waiter_locked_elsewhere_does_not_stall_completions_of_other_runs(
     db.execute("select flowly.start('wf', run_id => 'c')")
     db.execute("select flowly.start('wf', run_id => 'x')")
     db.execute("select flowly.start('waiter', run_id => 'w')")
-    epochs = _claim(db, "wf")
-    w_epoch = _claim(db, "waiter")["w"]
-    _park_on_run(db, "w", w_epoch, "c")
+    epochs = claim_as(db, "wf")
+    w_epoch = claim_as(db, "waiter")["w"]
+    park_on_run(db, "w", w_epoch, "c")
     with psycopg.connect(dsn) as operator, psycopg.connect(dsn, autocommit=True) as worker:
         operator.execute("select flowly.cancel('w')")
         worker.execute("set lock_timeout = '2s'")  # as the worker's sessions have it
@@ -141,13 +127,13 @@ def test_purge_keeps_a_finished_run_that_an_unfinished_run_waits_for(
     to p. Purge must not take the result p is about to read: p's wait must still answer."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c', parent_run_id => 'p')")
-    epoch = _claim(db, "parent")["p"]
-    _park_on_run(db, "p", epoch, "c")
-    c_epoch = _claim(db, "child")["c"]
+    epoch = claim_as(db, "parent")["p"]
+    park_on_run(db, "p", epoch, "c")
+    c_epoch = claim_as(db, "child")["c"]
     db.execute("select flowly.complete('c', %s, '42')", (c_epoch,))
     assert _due(db, "p")
     purged = scalar(db, "select flowly.purge('0 seconds')")
-    epoch = _claim(db, "parent")["p"]
+    epoch = claim_as(db, "parent")["p"]
     try:
         row = db.execute("select outcome, status, output from flowly.wait_for_run('p', %s,"
                          " 'run:c', 'c')", (epoch,)).fetchone()
@@ -164,14 +150,14 @@ def test_an_event_sent_after_the_wait_timed_out_does_not_count(
     after the deadline, and an event is sent after it. The wait timed out (its deadline is
     written once and never moves): the late event must not be taken as arriving in time."""
     db.execute("select flowly.start('waiter', run_id => 'r')")
-    epoch = _claim(db, "waiter")["r"]
+    epoch = claim_as(db, "waiter")["r"]
     assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go',"
                       " 0.2)", epoch) == "waiting"
     db.execute("select flowly.park('r', %s, array['event:go'])", (epoch,))
     time.sleep(0.5)  # the deadline passes; no worker claims the run meanwhile
     db.execute("select flowly.send_event('r', 'go', '\"late\"')")
     assert scalar(db, "select timeout_at < now() from flowly.waits where run_id = 'r'")
-    epoch = _claim(db, "waiter")["r"]
+    epoch = claim_as(db, "waiter")["r"]
     outcome = db.execute("select * from flowly.wait_for_event('r', %s, 'event:go', 'go', 0.2)",
                          (epoch,)).fetchone()
     assert outcome == ("timeout", None), (
@@ -226,7 +212,7 @@ def test_a_wait_recorded_as_timed_out_never_consumes_a_later_event(
     replaying from SQL) must answer the recorded timeout and leave a later event alone for the
     next wait of that name."""
     db.execute("select flowly.start('waiter', run_id => 'r')")
-    epoch = _claim(db, "waiter")["r"]
+    epoch = claim_as(db, "waiter")["r"]
     assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go',"
                       " 0)", epoch) == "timeout"
     db.execute("select flowly.send_event('r', 'go', '\"for the next wait\"')")
@@ -244,7 +230,7 @@ def test_an_event_sent_in_an_open_transaction_between_wait_and_park_is_not_lost(
     """The wait is registered; the application sends the event in a transaction it has not
     committed yet; the worker parks. After the commit the run must be due, not parked."""
     db.execute("select flowly.start('waiter', run_id => 'r')")
-    epoch = _claim(db, "waiter")["r"]
+    epoch = claim_as(db, "waiter")["r"]
     assert scalar(db, "select outcome from flowly.wait_for_event('r', %s, 'event:go', 'go')",
                   epoch) == "waiting"
     with psycopg.connect(dsn) as app:

@@ -10,18 +10,18 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import running_worker, scalar
+from tests.support import claim_as, park_on_run, running_worker, scalar
 
 # -- retry_dead_letter retires a wait's recorded failure the body had caught ---------------
 
-_ATK: dict[str, bool] = {"child_fails": True, "final_fails": True}
+_BROKEN: dict[str, bool] = {"child_fails": True, "final_fails": True}
 _FALLBACK_CALLS: list[str] = []
 
 
 @flowly.workflow("sp_child", max_attempts=1)
 async def sp_child(ctx: flowly.Context, inp: Any) -> Any:
     def work() -> str:
-        if _ATK["child_fails"]:
+        if _BROKEN["child_fails"]:
             raise ValueError("child broken")
         return "child ok"
 
@@ -41,7 +41,7 @@ async def sp_tolerant_parent(ctx: flowly.Context, inp: Any) -> Any:
         got = await ctx.step("fallback", fallback)
 
     def final() -> Any:
-        if _ATK["final_fails"]:
+        if _BROKEN["final_fails"]:
             raise RuntimeError("final broken")
         return got
 
@@ -56,7 +56,7 @@ def test_retry_keeps_a_child_failure_the_parent_caught_and_went_on_from(
     retried. What the body observed (the child failed) was recorded and acted on: the new
     generation must replay it, not take the other branch on top of the fallback it already
     ran (exact replay)."""
-    _ATK.update(child_fails=True, final_fails=True)
+    _BROKEN.update(child_fails=True, final_fails=True)
     _FALLBACK_CALLS.clear()
     with running_worker(dsn, workflows=[sp_child, sp_tolerant_parent]):
         parent = client.start(sp_tolerant_parent, run_id="sp-p1")
@@ -64,10 +64,10 @@ def test_retry_keeps_a_child_failure_the_parent_caught_and_went_on_from(
         child = scalar(db, "select id from flowly.runs where parent_run_id = %s", parent)
         assert client.get(child).status == "dead_letter"
         assert _FALLBACK_CALLS == [parent]
-        _ATK["child_fails"] = False
+        _BROKEN["child_fails"] = False
         client.retry_dead_letter(child)
         assert client.wait(child, timeout=30).status == "completed"
-        _ATK["final_fails"] = False
+        _BROKEN["final_fails"] = False
         client.retry_dead_letter(parent)
         run = client.wait(parent, timeout=30)
     assert run.status == "completed", run.error
@@ -80,10 +80,10 @@ def test_retry_of_a_parent_that_caught_child_failed_survives_the_child_s_purge(
     dsn: str, db: psycopg.Connection[Any], client: flowly.Client
 ) -> None:
     """Same parent; the dead-lettered child is purged (its parent is finished, so purge may),
-    then the operator fixes the final step and retries the parent. Before 0015 the recorded
-    ChildFailed replayed and the parent completed through its fallback; now the wait is asked
-    again for a run that no longer exists."""
-    _ATK.update(child_fails=True, final_fails=True)
+    then the operator fixes the final step and retries the parent. The recorded ChildFailed,
+    which the body caught, replays and the parent completes through its fallback: the wait is
+    not asked again for a run that no longer exists."""
+    _BROKEN.update(child_fails=True, final_fails=True)
     _FALLBACK_CALLS.clear()
     with running_worker(dsn, workflows=[sp_child, sp_tolerant_parent]):
         parent = client.start(sp_tolerant_parent, run_id="sp-p2")
@@ -92,7 +92,7 @@ def test_retry_of_a_parent_that_caught_child_failed_survives_the_child_s_purge(
         # the child finished first, so the oldest-first batch of one takes only it
         assert scalar(db, "select flowly.purge('0 seconds', batch => 1)") == 1
         assert scalar(db, "select count(*) from flowly.runs where id = %s", child) == 0
-        _ATK["final_fails"] = False
+        _BROKEN["final_fails"] = False
         client.retry_dead_letter(parent)
         run = client.wait(parent, timeout=30)
     assert run.status == "completed", f"parent {run.status}: {run.error and run.error['message']}"
@@ -100,18 +100,6 @@ def test_retry_of_a_parent_that_caught_child_failed_survives_the_child_s_purge(
 
 
 # -- purge: a wait of a finished run pins its target for ever -------------------------------
-
-def _claim(db: psycopg.Connection[Any], workflow: str) -> dict[str, int]:
-    return dict(db.execute(
-        "select run_id, lease_epoch from flowly.claim('w', array[%s], array['default'], 10,"
-        " '1 hour')", (workflow,)).fetchall())
-
-
-def _park_on_run(db: psycopg.Connection[Any], waiter: str, epoch: int, target: str) -> None:
-    assert scalar(db, "select outcome from flowly.wait_for_run(%s, %s, %s, %s)",
-                  waiter, epoch, f"run:{target}", target) == "waiting"
-    db.execute("select flowly.park(%s, %s, array[%s])", (waiter, epoch, f"run:{target}"))
-
 
 def test_purge_removes_cancelled_runs_that_waited_for_each_other(
     db: psycopg.Connection[Any]
@@ -121,8 +109,8 @@ def test_purge_removes_cancelled_runs_that_waited_for_each_other(
     other, so purge keeps both for ever (README: a run is kept "until that run finishes")."""
     db.execute("select flowly.start('wa', run_id => 'a')")
     db.execute("select flowly.start('wb', run_id => 'b')")
-    _park_on_run(db, "a", _claim(db, "wa")["a"], "b")
-    _park_on_run(db, "b", _claim(db, "wb")["b"], "a")
+    park_on_run(db, "a", claim_as(db, "wa")["a"], "b")
+    park_on_run(db, "b", claim_as(db, "wb")["b"], "a")
     assert scalar(db, "select flowly.cancel('a')") == "cancelled"
     assert scalar(db, "select flowly.cancel('b')") == "cancelled"
     purged = sum(scalar(db, "select flowly.purge('0 seconds')") for _ in range(3))
@@ -138,9 +126,9 @@ def test_purge_does_not_keep_a_completed_run_for_a_cancelled_waiter(
     row keeps x as long as w exists."""
     db.execute("select flowly.start('ww', run_id => 'w')")
     db.execute("select flowly.start('wx', run_id => 'x')")
-    _park_on_run(db, "w", _claim(db, "ww")["w"], "x")
+    park_on_run(db, "w", claim_as(db, "ww")["w"], "x")
     assert scalar(db, "select flowly.cancel('w')") == "cancelled"
-    x_epoch = _claim(db, "wx")["x"]
+    x_epoch = claim_as(db, "wx")["x"]
     db.execute("select flowly.complete('x', %s, '1')", (x_epoch,))
     purged = scalar(db, "select flowly.purge('0 seconds', statuses => array['completed'])")
     assert purged == 1, "a completed run stays pinned by the wait of a cancelled run"
@@ -154,9 +142,9 @@ def test_purge_does_not_keep_a_child_whose_outcome_the_parent_already_recorded(
     child of an unfinished parent: c lives as long as p waits."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c', parent_run_id => 'p')")
-    c_epoch = _claim(db, "child")["c"]
+    c_epoch = claim_as(db, "child")["c"]
     db.execute("select flowly.complete('c', %s, '42')", (c_epoch,))
-    epoch = _claim(db, "parent")["p"]
+    epoch = claim_as(db, "parent")["p"]
     row = db.execute("select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
                      (epoch,)).fetchone()
     assert row == ("finished",)
