@@ -23,6 +23,7 @@ from typing import Any
 from psycopg import AsyncConnection, AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
+from .bounded_calls import CONFIRM_CANCEL, end_tasks, within
 from .db import Calls, is_connection_failure, is_contention, translated_errors
 from .errors import LeaseLost, RunBusy
 
@@ -88,9 +89,7 @@ class GroupCommitter:
         self._wakeup.set()
         if self._tasks:
             _, unfinished = await asyncio.wait(self._tasks, timeout=timeout)
-            for task in unfinished:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await end_tasks(unfinished, CONFIRM_CANCEL * 2)
         self._closed = True
         _fail_all(self._pending, ConnectionError("the worker stopped before this write was"
                                                  " flushed"))
@@ -149,8 +148,7 @@ class GroupCommitter:
             batch = self._pending[: self._max_batch]
             del self._pending[: self._max_batch]
             try:
-                async with asyncio.timeout(self._timeout):
-                    await self._flush(batch)
+                await within(self._timeout, self._flush(batch))
             except Exception as exc:
                 if is_contention(exc) or is_connection_failure(exc):
                     # the connection failed (or, rarely, the batch lost a deadlock): each run
@@ -164,8 +162,7 @@ class GroupCommitter:
                                len(batch), exc)
                 for item in batch:
                     try:
-                        async with asyncio.timeout(self._timeout):
-                            await self._flush([item])
+                        await within(self._timeout, self._flush([item]))
                     except Exception as item_exc:
                         _fail_all([item], item_exc)
 

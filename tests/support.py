@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
 
@@ -168,3 +171,70 @@ def pages_read(conn: psycopg.Connection[Any], table: str, query: str,
     rows = cursor.fetchall() if cursor.description else []
     conn.execute("select pg_stat_force_next_flush()")
     return int(scalar(conn, reads, table) - before), rows
+
+
+class FreezableProxy:
+    """A TCP proxy in front of the test server whose traffic can be frozen: connections stay
+    open and bytes stop flowing, both ways, as when the server hangs or the network drops
+    packets. Connections opened while frozen wait for the thaw (cancel requests included)."""
+
+    def __init__(self, dsn: str) -> None:
+        with psycopg.connect(dsn) as conn:
+            host, port = conn.info.host, conn.info.port
+        self._upstream: tuple[int, Any] = (
+            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/")
+            else (socket.AF_INET, (host, port)))
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._sockets.append(self._listener)
+        params = conninfo_to_dict(dsn)
+        for key in ("host", "hostaddr", "port"):
+            params.pop(key, None)
+        self.dsn = make_conninfo(**params, host="127.0.0.1",
+                                 port=str(self._listener.getsockname()[1]))
+        threading.Thread(target=self._accept, name="test-proxy", daemon=True).start()
+
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._flowing.set()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            self._flowing.wait()
+            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
+            server.connect(self._upstream[1])
+            self._sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self._flowing.wait()
+                sink.sendall(data)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@contextmanager
+def freezable_proxy(dsn: str) -> Iterator[FreezableProxy]:
+    proxy = FreezableProxy(dsn)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

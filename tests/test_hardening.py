@@ -698,5 +698,7 @@ def test_stopping_a_busy_worker_always_ends_its_background_loops(
             time.sleep(0.05)
             started = time.monotonic()
             worker.stop()
-        assert time.monotonic() - started < 3, "the shutdown overran"
+        # a lost cancellation always overruns (drain_timeout + 5 s); a call that waits for
+        # the disk may take a moment
+        assert time.monotonic() - started < 5, "the shutdown overran"
         assert scalar(db, "select count(*) from flowly.workers") == 0

@@ -22,7 +22,7 @@ import pytest
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY
-from tests.support import ROOT, running_worker, scalar, wait_for
+from tests.support import ROOT, freezable_proxy, running_worker, scalar, wait_for
 
 # -- workflows ------------------------------------------------------------------------------
 
@@ -319,3 +319,27 @@ def test_transactional_steps_that_fill_the_pool_leave_room_for_other_runs_and_he
             assert client.wait(run_id, timeout=20).status == "completed"
     epochs = {scalar(db, "select lease_epoch from flowly.runs where id = %s", r) for r in long}
     assert epochs == {1}  # no takeover
+
+
+def test_a_stop_while_the_database_hangs_still_ends_every_thread_of_the_worker(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The database stops answering (a hung server, a partition) and the worker is stopped:
+    its calls in flight answer neither to the end of their statement nor to a cancel request.
+    The shutdown is cut short after its grace, but whatever it was waiting for then, the
+    heartbeat and step threads must end with it: a heartbeat thread left behind beats for a
+    worker that is gone (and warned, for minutes, that its event loop had stopped turning)."""
+    before = {t for t in threading.enumerate() if t.name.startswith("flowly-")}
+    with freezable_proxy(dsn) as proxy:
+        # a lease long enough that no heartbeat is in flight when the database hangs
+        with running_worker(proxy.dsn, poll_interval=0.01, drain_timeout=0.1, lease=60):
+            wait_for(lambda: scalar(db, "select count(*) = 1 from flowly.workers"),
+                     what="the worker registered")
+            proxy.freeze()
+            time.sleep(0.3)  # the claim loop and the periodic calls are in flight by now
+            started = time.monotonic()
+        took = time.monotonic() - started
+        left = {t for t in threading.enumerate() if t.name.startswith("flowly-")} - before
+        assert not left, f"threads left running after the worker stopped: {left}"
+        # drain_timeout, the grace of the orderly shutdown, then unregister and pool close
+        assert took < 16, f"the shutdown took {took:.1f}s"

@@ -29,6 +29,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from ..bounded_calls import end_tasks, within
 from ..context import (
     NOT_RETRYABLE,
     CompensateInterrupt,
@@ -242,6 +243,7 @@ class Worker:
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._step_threads = StepThreads(concurrency)
         self._pool: AsyncConnectionPool | None = None
         self._committer: GroupCommitter
@@ -250,7 +252,12 @@ class Worker:
     # -- public -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the worker to stop: claim nothing more, drain, release what is left."""
+        """Ask the worker to stop: claim nothing more, drain, release what is left. May be
+        called from any thread."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and not _on_loop(loop):
+            loop.call_soon_threadsafe(self.stop)
+            return
         self._stopping.set()
         self._wakeup.set()
 
@@ -260,7 +267,7 @@ class Worker:
         However it ends (stopped, cancelled, or failing), runs still in flight are cancelled
         here and released, so other workers take them at once.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         on_main_thread = threading.current_thread() is threading.main_thread()
         if on_main_thread:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -340,13 +347,11 @@ class Worker:
             if not serving.done():
                 logger.warning("worker %s: shutdown overran its %.1fs; ending it now",
                                self.worker_id, self.drain_timeout + _SHUTDOWN_GRACE)
-                serving.cancel()
-                await asyncio.wait({serving}, timeout=_SHUTDOWN_CALL_TIMEOUT)
+                await end_tasks([serving], _SHUTDOWN_CALL_TIMEOUT)
         finally:
             stopping.cancel()
             if not serving.done():  # run() itself was cancelled
-                serving.cancel()
-                await asyncio.wait({serving}, timeout=_SHUTDOWN_CALL_TIMEOUT)
+                await end_tasks([serving], _SHUTDOWN_CALL_TIMEOUT)
         if serving.done() and not serving.cancelled() and serving.exception() is not None:
             raise serving.exception()  # type: ignore[misc]
 
@@ -397,15 +402,22 @@ class Worker:
             await self._claim_loop()
             await self._drain()
         finally:
-            await self._release_unfinished()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            if heartbeat is not None:
-                await asyncio.to_thread(heartbeat.stop, _SHUTDOWN_CALL_TIMEOUT)
-            await self._committer.close(_SHUTDOWN_CALL_TIMEOUT)
-            await asyncio.to_thread(self._transactions.close)
-            self._step_threads.close()
+            try:
+                await self._release_unfinished()
+                await end_tasks(background, _CANCEL_GRACE)
+            finally:
+                # the threads are told to end before anything else is awaited, so they end
+                # even if this shutdown is cut short (it overran while the database hung): a
+                # heartbeat left behind would beat on for a worker that is gone
+                if heartbeat is not None:
+                    heartbeat.stop()
+                self._step_threads.close()
+                closing_transactions = asyncio.ensure_future(
+                    asyncio.to_thread(self._transactions.close))
+                if heartbeat is not None:
+                    await asyncio.to_thread(heartbeat.join, _SHUTDOWN_CALL_TIMEOUT)
+                await self._committer.close(_SHUTDOWN_CALL_TIMEOUT)
+                await closing_transactions
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -702,10 +714,8 @@ class Worker:
         or a client that hangs) raises TimeoutError, an OSError: the run is abandoned, and the
         connection, returned mid-call, is discarded by the pool."""
         assert self._pool is not None
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call
-        # that finishes as its caller is cancelled, and the cancellation is lost
-        async with asyncio.timeout(session.call_timeout(self.lease)):
-            return await self._call_now(self._pool, query, params)
+        return await within(session.call_timeout(self.lease),
+                            self._call_now(self._pool, query, params))
 
     @staticmethod
     async def _call_now(pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
@@ -717,6 +727,14 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling thread runs ``loop`` (asyncio's objects are not thread-safe)."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 async def _call_body(workflow: Workflow, ctx: Context, input: Any) -> Any:

@@ -56,8 +56,11 @@ class Heartbeat:
         """Called from the loop now and then: it is responsive."""
         self._loop_seen = time.monotonic()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self) -> None:
+        """Tell the thread to end; it does at once unless a beat is in flight."""
         self._stopping.set()
+
+    def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
     def _run(self) -> None:
