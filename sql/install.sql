@@ -152,6 +152,12 @@ select not exists (select from schema_migrations where version = 20) as apply_mi
     insert into schema_migrations (version, name) values (20, '0020_trigger_rows_read_with_the_caller_s_rights');
 \endif
 
+select not exists (select from schema_migrations where version = 21) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0021_cron_search_goes_forward.sql
+    insert into schema_migrations (version, name) values (21, '0021_cron_search_goes_forward');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles
