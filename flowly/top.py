@@ -40,7 +40,8 @@ _QUERIES: dict[str, str] = {
     "statuses": "select status, sum(runs)::bigint as runs from {s}.run_counts group by status",
     "finished": """
         select status, count(*) as runs from {s}.runs
-        where finished_at > now() - interval '1 minute' group by status""",
+        where status in ('completed', 'dead_letter', 'cancelled')
+          and finished_at > now() - interval '1 minute' group by status""",
     "created": """
         select count(*) as runs from {s}.runs where created_at > now() - interval '1 minute'""",
     "queues": """

@@ -158,6 +158,18 @@ select not exists (select from schema_migrations where version = 21) as apply_mi
     insert into schema_migrations (version, name) values (21, '0021_cron_search_goes_forward');
 \endif
 
+select not exists (select from schema_migrations where version = 22) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0022_wakeups_that_stay_true.sql
+    insert into schema_migrations (version, name) values (22, '0022_wakeups_that_stay_true');
+\endif
+
+select not exists (select from schema_migrations where version = 23) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0023_purge_and_dashboards_at_scale.sql
+    insert into schema_migrations (version, name) values (23, '0023_purge_and_dashboards_at_scale');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

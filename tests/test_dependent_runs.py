@@ -42,17 +42,21 @@ def test_a_child_finished_by_a_transaction_in_flight_still_wakes_its_waiting_par
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:
     """An operator cancels the child in an open transaction (`begin; select flowly.cancel(..)`)
-    while the parent registers its wait and parks: the trigger that wakes waiters cannot see
-    the wait, and park cannot see the finish. park reports the parent busy while the child's
-    row is held; once the operator commits, park sees the child finished and the parent is
-    due, not parked until 9999-12-31."""
+    while the parent, its wait registered, parks: the trigger that wakes waiters finds the
+    parent running (not parked yet), and park cannot see the finish. park reports the parent
+    busy while the child's row is held; once the operator commits, park sees the child
+    finished and the parent is due, not parked until 9999-12-31. Registering the wait itself
+    reports the parent busy while the child's row is held (0022)."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c')")
     epoch = claim_as(db, "parent")["p"]
+    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                  epoch) == "waiting"
     with psycopg.connect(dsn) as operator:
-        operator.execute("select flowly.cancel('c')")  # the trigger finds no waiter yet
-        assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
-                      epoch) == "waiting"
+        operator.execute("select flowly.cancel('c')")  # the parent is not parked yet
+        with pytest.raises(flowly.RunBusy, match="which it waits for"):
+            with translated_errors():
+                db.execute("select flowly.wait_for_run('p', %s, 'run:c#2', 'c')", (epoch,))
         with pytest.raises(flowly.RunBusy, match="a run it waits for"):
             with translated_errors():
                 db.execute("select flowly.park('p', %s, array['run:c'])", (epoch,))

@@ -556,8 +556,9 @@ def test_run_counts_stay_exact_without_reading_finished_history(
     cancel, dead letter, retry, a purge, rows inserted finished), before and after the
     counters are folded, and its plan never scans runs."""
     db.execute("""
-        insert into flowly.runs (id, workflow, status, finished_at, output)
-        select 'old-' || g, 'wf', 'completed', now() - interval '2 days', '1'
+        insert into flowly.runs (id, workflow, status, created_at, finished_at, output)
+        select 'old-' || g, 'wf', 'completed', now() - interval '2 days',
+               now() - interval '2 days', '1'
         from generate_series(1, 20000) g""")
     for i in range(6):
         db.execute("select flowly.start('wf', run_id => %s)", (f"r{i}",))

@@ -214,6 +214,10 @@ def test_missed_wake_ups_of_busy_rows_do_not_starve_a_free_one(
                " scheduled_for => now() + interval '1 day') from generate_series(0, 1000) i")
     db.execute("select flowly.start('free', run_id => 'z',"
                " scheduled_for => now() + interval '1 day')")
+    # z waits for an event that has arrived: its wake-up is due (0022 wakes only such runs)
+    db.execute("select flowly.send_event('z', 'go', '1')")
+    db.execute("insert into flowly.waits (run_id, step, kind, target)"
+               " values ('z', 'event:go', 'event', 'go')")
     db.execute("insert into flowly.missed_wakeups (run_id) select id from flowly.runs")
     with psycopg.connect(dsn) as operator:
         operator.execute("update flowly.runs set priority = 5 where workflow = 'held'")

@@ -1,0 +1,139 @@
+"""Large history: what finished runs cost the calls that should not depend on them.
+
+Each test builds history with set-based inserts straight into flowly's tables (rows shaped as
+the engine writes them), analyzes, and measures the pages a call reads (tests/support.py's
+pages_read: heap and index pages, cache hits included) at two sizes of history. A call whose
+cost should not depend on history reads about the same at both sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from tests.support import pages_read, running_worker, scalar, seq_scanned
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _finished_runs(db: psycopg.Connection[Any], prefix: str, count: int, *,
+                   status: str = "completed", workflow: str = "order",
+                   finished_ago: str = "2 days", created_ago: str | None = None,
+                   steps: int = 0) -> None:
+    """``count`` runs finished ``finished_ago`` (spread over the minute before), as complete_runs
+    leaves them, each with ``steps`` completed steps."""
+    created_ago = created_ago or finished_ago
+    db.execute(
+        "insert into flowly.runs (id, workflow, status, output, lease_epoch, created_at,"
+        "                         started_at, finished_at)"
+        " select %(prefix)s || g, %(workflow)s, %(status)s, '1', 1,"
+        "        now() - %(created)s::interval - g * interval '1 ms',"
+        "        now() - %(created)s::interval - g * interval '1 ms',"
+        "        now() - %(finished)s::interval - g * interval '1 ms'"
+        " from generate_series(1, %(n)s) g",
+        {"prefix": prefix, "workflow": workflow, "status": status, "created": created_ago,
+         "finished": finished_ago, "n": count})
+    if steps:
+        db.execute(
+            "insert into flowly.steps (run_id, name, seq, position, status, output, started_at,"
+            "                          finished_at)"
+            " select %(prefix)s || g, 's' || p, nextval('flowly.step_seq'), p, 'completed', '1',"
+            "        now() - %(created)s::interval, now() - %(created)s::interval"
+            "            + p * interval '10 ms'"
+            " from generate_series(1, %(n)s) g, generate_series(1, %(steps)s) p",
+            {"prefix": prefix, "created": created_ago, "n": count, "steps": steps})
+
+
+def _analyze(db: psycopg.Connection[Any]) -> None:
+    db.execute("select flowly.fold_run_counts()")
+    db.execute("vacuum analyze")
+
+
+# --- purge -----------------------------------------------------------------------------------
+
+
+def test_purging_one_status_does_not_read_the_older_runs_of_the_statuses_it_keeps(
+    db: psycopg.Connection[Any]
+) -> None:
+    """`flowly purge --older-than 1d --status cancelled` (or purge(statuses => ...)) next to a
+    longer retention of completed runs: each batch walks runs_finished_at from the oldest
+    finished run and filters the status on the heap, so it reads every older completed run
+    it keeps, at every call (and Client.purge loops until a call returns 0: that last call
+    reads them all even when there is nothing left to purge). Where the planner goes by
+    runs_status_created instead, it reads every cancelled run, due or not. One due cancelled
+    run costs a few pages whatever the history behind it."""
+
+    def purge_one_cancelled(tag: str, kept: int) -> int:
+        # a day of runs: 5% cancelled (not due yet); one cancelled run due
+        _finished_runs(db, f"recent-{tag}-", kept // 20, status="cancelled",
+                       finished_ago="1 hour")
+        _finished_runs(db, f"cancelled-{tag}-", 1, status="cancelled", finished_ago="1 day 1 hour")
+        _analyze(db)
+        pages, rows = pages_read(db, "flowly.runs",
+                                 "select flowly.purge('1 day', array['cancelled'])")
+        assert rows == [(1,)]
+        return pages
+
+    _finished_runs(db, "kept-a-", 20_000, finished_ago="20 days")
+    small = purge_one_cancelled("a", 20_000)
+    _finished_runs(db, "kept-b-", 100_000, finished_ago="25 days")
+    large = purge_one_cancelled("b", 100_000)
+    # nothing due of that status: the call Client.purge ends its loop with
+    _analyze(db)
+    idle, rows = pages_read(db, "flowly.runs", "select flowly.purge('1 day', array['cancelled'])")
+    assert rows == [(0,)]
+    assert scalar(db, "select count(*) from flowly.runs where status = 'completed'") == 120_000
+    assert large < small + 100 and idle < 100, (
+        f"purge of one due cancelled run read {small} pages of runs behind 20,000 kept"
+        f" completed runs (and 1,000 cancelled ones not due), {large} behind 120,000 (and"
+        f" 6,000); then a purge with nothing to do read {idle}")
+
+
+def test_a_worker_s_background_purge_keeps_up_with_what_a_worker_finishes(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """Worker(purge_after=...) deletes at most 10 batches of 1,000 runs and then sleeps 60 s:
+    10,000 runs a minute (167 a second), while one worker finishes about 2,000 runs a second
+    (bench/RESULTS.md). A busy engine's history then grows without bound however short the
+    retention. 30,000 runs past the retention (15 seconds of a worker's throughput, about a
+    second of deletes) must be gone well within the minute, not 10,000 a minute."""
+    _finished_runs(db, "old-", 30_000, finished_ago="2 days", steps=1)
+    _analyze(db)
+    with running_worker(dsn, purge_after=timedelta(days=1)):
+        deadline = time.monotonic() + 15
+        left = scalar(db, "select count(*) from flowly.runs")
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = scalar(db, "select count(*) from flowly.runs")
+    assert left == 0, f"{30_000 - left} of 30,000 runs past the retention purged in 15 s"
+
+
+# --- dashboards ------------------------------------------------------------------------------
+
+
+def test_step_latency_reads_only_the_steps_of_the_last_day(db: psycopg.Connection[Any]) -> None:
+    """step_latency covers the steps of runs created in the last 24 hours, but its plan hashes
+    the recent runs and reads the whole steps table (a sequential scan of every step ever
+    checkpointed) to find theirs: its cost grows with history, against the README's "none of
+    which reads the whole history". The same 2,000 recent runs cost the same behind 30,000 or
+    150,000 old ones."""
+    _finished_runs(db, "recent-", 2_000, finished_ago="1 minute", created_ago="1 hour", steps=3)
+
+    def steps_pages() -> tuple[int, set[str]]:
+        _analyze(db)
+        query = "select * from flowly.step_latency"
+        scanned = seq_scanned(db, query)
+        pages, rows = pages_read(db, "flowly.steps", query)
+        assert sum(r[2] for r in rows) == 6_000
+        return pages, scanned
+
+    _finished_runs(db, "old-a-", 30_000, finished_ago="3 days", steps=3)
+    small, _ = steps_pages()
+    _finished_runs(db, "old-b-", 120_000, finished_ago="4 days", steps=3)
+    large, scanned = steps_pages()
+    assert "steps" not in scanned and large < 2 * small + 100, (
+        f"step_latency read {small} pages of steps behind 30,000 old runs (90,000 steps),"
+        f" {large} behind 150,000 (450,000 steps); sequential scans: {sorted(scanned)}")
