@@ -29,7 +29,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from ..bounded_calls import end_tasks, within
+from ..bounded_calls import end_tasks, on_daemon_thread, within
 from ..context import (
     NOT_RETRYABLE,
     CompensateInterrupt,
@@ -70,7 +70,7 @@ DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 _SHUTDOWN_CALL_TIMEOUT = 3.0
 # the periodic purge (purge_after): how often, and at most how many batches of 1,000 a round
 _PURGE_EVERY = 60.0
-_PURGE_BATCHES_PER_ROUND = 10
+_PURGE_BATCH = 1000
 # the longest pause between two cron ticks, whatever poll_interval says: a fire time more than
 # a minute old counts as missed
 _SCHEDULE_TICK_MAX = 15.0
@@ -302,28 +302,43 @@ class Worker:
         """Apply the missing migrations (install_schema) or check there are none; False when
         the worker was stopped meanwhile. An install may wait for the install lock (another
         worker migrating) or for a lock a migration needs (a dashboard's open transaction):
-        a stop cancels that wait on the server, so SIGTERM is heard."""
+        a stop cancels that wait on the server, so SIGTERM is heard. The connection and the
+        check run on daemon threads, given up on at a stop: a database that hangs must not
+        keep the worker from exiting either."""
         if not self.install_schema:
-            await asyncio.to_thread(check_current_dsn, self.dsn, self._calls.schema)
-            return True
-        conn: psycopg.Connection[Any] = await asyncio.to_thread(
-            partial(psycopg.Connection.connect, self.dsn, autocommit=True))
-        try:
-            installing = asyncio.ensure_future(
-                asyncio.to_thread(install, conn, self._calls.schema))
-            stopping = asyncio.ensure_future(self._stopping.wait())
-            await asyncio.wait({installing, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not installing.done():
-                logger.info("stopped while installing the schema: cancelling the install")
-                await asyncio.to_thread(conn.cancel_safe, timeout=_SHUTDOWN_CALL_TIMEOUT)
-                with contextlib.suppress(Exception):  # its transaction rolled back
-                    await installing
-                return False
-            await installing
-            return True
-        finally:
+            return await self._unless_stopped(
+                on_daemon_thread(check_current_dsn, self.dsn, self._calls.schema))
+        connecting = on_daemon_thread(partial(
+            psycopg.Connection.connect, self.dsn, **session.connection_kwargs(self.lease)))
+        if not await self._unless_stopped(connecting):
+            connecting.add_done_callback(_close_connection)
+            return False
+        conn: psycopg.Connection[Any] = connecting.result()
+        installing = on_daemon_thread(install, conn, self._calls.schema)
+        if await self._unless_stopped(installing):
             await asyncio.to_thread(conn.close)
+            return True
+        logger.info("stopped while installing the schema: cancelling the install")
+        with contextlib.suppress(psycopg.Error):
+            await asyncio.to_thread(conn.cancel_safe, timeout=_SHUTDOWN_CALL_TIMEOUT)
+        # its transaction rolled back; the connection is closed once the install has ended
+        # (closing it under the install's thread is not safe), or with the process
+        installing.add_done_callback(lambda _: conn.close())
+        return False
+
+    async def _unless_stopped(self, call: asyncio.Future[Any]) -> bool:
+        """Wait for ``call`` (raising what it raised), unless the worker is stopped first:
+        then False, and ``call`` goes on unobserved."""
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not call.done():
+            call.add_done_callback(_consume_outcome)
+            return False
+        call.result()
+        return True
 
     async def _unregister(self) -> None:
         """Leave flowly.workers, also after a shutdown that was cut short: a row left behind
@@ -471,7 +486,7 @@ class Worker:
         self._wakeup.set()
 
     async def _listen(self) -> None:
-        """Wake the claim loop on NOTIFY; reconnect after a dropped connection."""
+        """Wake the claim loop on NOTIFY; reconnect after a dropped or hung connection."""
         backoff = 0.1
         while True:
             try:
@@ -483,8 +498,12 @@ class Worker:
                         psycopg.sql.Identifier(channel[0])))
                     backoff = 0.1
                     self._wakeup.set()  # catch up on anything started while we were away
-                    async for _ in conn.notifies():
-                        self._wakeup.set()
+                    while True:
+                        async for _ in conn.notifies(timeout=self.lease):
+                            self._wakeup.set()
+                        # every lease, the connection must answer: a hung backend or pooler
+                        # acknowledges the bytes, so no TCP timeout would tell it is gone
+                        await within(self.lease, conn.execute("select 1"))
             except (psycopg.Error, OSError) as exc:
                 logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
                                exc, self.poll_interval)
@@ -519,14 +538,19 @@ class Worker:
             await asyncio.sleep(every)
 
     async def _purge(self, older_than: timedelta) -> None:
-        """Delete old finished runs: a few bounded batches a round, never much at once."""
-        for _ in range(_PURGE_BATCHES_PER_ROUND):
+        """Delete old finished runs, a batch at a time until none is left: each statement
+        stays short, and a backlog (a worker finishes thousands of runs a second) is worked
+        off in one round rather than a few batches a minute."""
+        purged = 0
+        while True:
             (deleted,), = await self._call(
-                self._calls.purge, (older_than, ["completed", "cancelled", "dead_letter"], 1000))
-            if deleted:
-                logger.info("purged %d finished run(s) older than %s", deleted, older_than)
-            if deleted < 1000:
+                self._calls.purge,
+                (older_than, ["completed", "cancelled", "dead_letter"], _PURGE_BATCH))
+            purged += deleted
+            if deleted < _PURGE_BATCH:
                 break
+        if purged:
+            logger.info("purged %d finished run(s) older than %s", purged, older_than)
 
     async def _tick_schedules(self, tick: psycopg.sql.Composed) -> None:
         """Start the runs of due cron schedules (``tick``, tick_statement's). Any worker may:
@@ -727,6 +751,19 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+def _consume_outcome(call: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a call nobody waits for any more (asyncio logs one never
+    retrieved)."""
+    if not call.cancelled():
+        call.exception()
+
+
+def _close_connection(connecting: asyncio.Future[psycopg.Connection[Any]]) -> None:
+    """Close the connection a call given up on opened after all."""
+    if not connecting.cancelled() and connecting.exception() is None:
+        connecting.result().close()
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

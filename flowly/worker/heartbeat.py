@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from ..bounded_calls import Cutoff
 from ..db import Calls
 from . import session
 
@@ -48,6 +49,7 @@ class Heartbeat:
         self._loop_seen = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="flowly-heartbeat", daemon=True)
         self._conn: psycopg.Connection[Any] | None = None
+        self._cutoff: Cutoff | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -57,28 +59,39 @@ class Heartbeat:
         self._loop_seen = time.monotonic()
 
     def stop(self) -> None:
-        """Tell the thread to end; it does at once unless a beat is in flight."""
+        """Tell the thread to end; a beat in flight is cut off (the database may hang)."""
         self._stopping.set()
+        cutoff = self._cutoff
+        if cutoff is not None:
+            cutoff.cut_if_armed()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
     def _run(self) -> None:
         interval = self._lease / 3
+        pause = interval
         try:
-            while not self._stopping.wait(interval):
+            while not self._stopping.wait(pause):
                 self._warn_if_loop_blocked(interval)
                 try:
-                    self._beat()
-                except (psycopg.Error, OSError) as exc:  # the next beat may get through
+                    # a beat that hangs (a stuck backend or pooler acknowledges the bytes, so
+                    # no TCP timeout notices) is cut off after an interval, and the next one
+                    # goes soon on a new connection: the leases last a lease after the last
+                    # beat that got through
+                    self._beat(cut_off_after=interval)
+                    pause = interval
+                except (psycopg.Error, OSError) as exc:
                     logger.warning("heartbeat failed: %s", exc)
                     self._close()
+                    pause = interval / 4
         finally:
             self._close()
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self._dsn, **session.connection_kwargs(self._lease))
+            self._cutoff = Cutoff(self._conn)
             session.configure(self._conn, self._lease)
         return self._conn
 
@@ -87,9 +100,17 @@ class Heartbeat:
             self._conn.close()
             self._conn = None
 
-    def _beat(self) -> None:
+    def _beat(self, cut_off_after: float) -> None:
         held = self._held()
         conn = self._connection()
+        assert self._cutoff is not None
+        with self._cutoff:
+            self._cutoff.arm(cut_off_after)
+            if self._stopping.is_set():  # stop() came before the arming: it cut nothing
+                return
+            self._beat_on(conn, held)
+
+    def _beat_on(self, conn: psycopg.Connection[Any], held: list[tuple[str, int, Any]]) -> None:
         rows = conn.execute(
             self._calls.heartbeat,
             (self._worker_id, [h[0] for h in held], [h[1] for h in held],

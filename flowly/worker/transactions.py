@@ -28,6 +28,7 @@ import psycopg
 from psycopg import pq, sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from ..bounded_calls import Cutoff
 from ..context import UserCodeFailed, serialise_output
 from ..db import Calls, translated_errors
 from ..errors import FlowlyError, WorkflowCodeError
@@ -61,6 +62,9 @@ class Transactions:
         self._calls = calls
         self._pool = pool
         self._lease = lease
+        # flowly's own statements around the function (not its SQL) are bounded like any
+        # engine call: a connection that hangs at the checkpoint must not hold the run for ever
+        self._call_timeout = session.call_timeout(lease)
         self._max_connections = max_connections
         self._threads = threads
         # the group commit, claims and heartbeats must always find a connection
@@ -141,36 +145,44 @@ class Transactions:
         args: tuple[Any, ...], isolation: str | None,
         finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
     ) -> Any:
-        async with self._pool.connection() as conn, conn.transaction():
-            if isolation is not None:
-                await conn.execute(_set_isolation(isolation))
-            await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
-            with translated_errors():
-                await conn.execute(begin, begin_args)
-            try:
-                with user_code():
-                    result = await fn(conn, *args)
-            except Exception as exc:
-                failure = _failure_of(conn, exc)
-                if failure is exc:
-                    raise
-                raise failure from exc
-            query, params = finish(result)
-            with translated_errors():
-                cursor = await conn.execute(query, params)
-                return await cursor.fetchone()
+        async with self._pool.connection() as conn:
+            with Cutoff(conn) as cutoff:
+                async with conn.transaction():
+                    cutoff.arm(self._call_timeout)
+                    if isolation is not None:
+                        await conn.execute(_set_isolation(isolation))
+                    await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
+                    with translated_errors():
+                        await conn.execute(begin, begin_args)
+                    cutoff.disarm()
+                    try:
+                        with user_code():
+                            result = await fn(conn, *args)
+                    except Exception as exc:
+                        failure = _failure_of(conn, exc)
+                        if failure is exc:
+                            raise
+                        raise failure from exc
+                    query, params = finish(result)
+                    cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
+                    with translated_errors():
+                        cursor = await conn.execute(query, params)
+                        return await cursor.fetchone()
 
     def _run_sync(
         self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
         args: tuple[Any, ...], isolation: str | None,
         finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
     ) -> Any:
-        with self._sync_connections().connection() as conn, self._sync_transaction(conn):
+        with self._sync_connections().connection() as conn, Cutoff(conn) as cutoff, \
+                self._sync_transaction(conn):
+            cutoff.arm(self._call_timeout)
             if isolation is not None:
                 conn.execute(_set_isolation(isolation))
             conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
             with translated_errors():
                 conn.execute(begin, begin_args)
+            cutoff.disarm()
             try:
                 result = fn(conn, *args)
             except Exception as exc:
@@ -179,6 +191,7 @@ class Transactions:
                     raise
                 raise failure from exc
             query, params = finish(result)
+            cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
             with translated_errors():
                 return conn.execute(query, params).fetchone()
 
