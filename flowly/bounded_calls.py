@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import psycopg
 
 T = TypeVar("T")
+_Conn = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
 
 # how long a cancelled call gets to end by itself (a live server confirms a cancel in
 # milliseconds) before its connection is closed under it
@@ -76,10 +77,12 @@ class Cutoff:
     while armed (its descriptor could be reused).
     """
 
-    def __init__(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-        self._conn = conn
+    def __init__(self, conn: _Conn | Callable[[], Iterable[_Conn | None]]) -> None:
+        """``conn``: the connection, or a function giving those to cut off when it is time."""
+        self._conns = conn if callable(conn) else lambda: (conn,)
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._cut_off = False
 
     def __enter__(self) -> Cutoff:
         return self
@@ -95,6 +98,7 @@ class Cutoff:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = timer
+            self._cut_off = False
         timer.start()
 
     def disarm(self) -> None:
@@ -110,22 +114,30 @@ class Cutoff:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-                _shut_down(self._conn)
+                self._cut()
 
     def _expire(self) -> None:
         with self._lock:
             if self._timer is not None and self._timer is threading.current_thread():
                 self._timer = None
-                _shut_down(self._conn)
+                self._cut()
 
 
-def _shut_down(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-    with contextlib.suppress(OSError, psycopg.Error):
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
+    @property
+    def expired(self) -> bool:
+        """Whether the connections were cut off (since armed)."""
+        return self._cut_off
+
+    def _cut(self) -> None:
+        self._cut_off = True
+        for conn in self._conns():
+            if conn is not None and not conn.closed:
+                with contextlib.suppress(OSError, psycopg.Error):
+                    sock = socket.socket(fileno=os.dup(conn.fileno()))
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    finally:
+                        sock.close()
 
 
 def on_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:

@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from .bounded_calls import Cutoff, within
 from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
 from .errors import InvalidArgument, InvalidState, RunNotFound, RunTimeout
 from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
@@ -159,6 +160,15 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
             pause = min(pause, left)
         yield pause
         pause = min(pause * 2, _POLL_MAX)
+
+
+# how long past its timeout a wait may go on for the database's answer before it is cut off
+_ANSWER_GRACE = 1.0
+
+
+def _silent_message(run_id: str, timeout: float) -> str:
+    return (f"run {run_id}: the database did not answer within {timeout}s"
+            f" (and {_ANSWER_GRACE:g}s of grace)")
 
 
 def _timeout_message(run: Run, timeout: float | None, served: bool | None) -> str:
@@ -354,11 +364,27 @@ class Client:
         """Wait until the run reaches ``status`` (default: any terminal status): woken by the
         NOTIFY its finishing sends, with polling (every 0.5 s at most) as the fallback.
 
-        Raises :class:`RunTimeout` after ``timeout`` seconds, and :class:`InvalidState` as
+        Raises :class:`RunTimeout` after ``timeout`` seconds (also when the database stops
+        answering: its connections are cut off a second later), and :class:`InvalidState` as
         soon as the run ended ``completed`` or ``cancelled`` when that is not a status waited
         for (it can never reach one; a ``dead_letter`` run may still be retried).
         """
         wanted = _wait_statuses(status)
+        if timeout is None:
+            return self._wait(run_id, wanted, None)
+        # a database that stops answering (the bytes acknowledged, so no TCP timeout notices)
+        # must not hold the caller past the timeout: the connections are cut off then
+        with Cutoff(lambda: (self._conn, self._listener)) as cutoff:
+            cutoff.arm(timeout + _ANSWER_GRACE)
+            try:
+                return self._wait(run_id, wanted, timeout)
+            except psycopg.Error as exc:
+                if not cutoff.expired:
+                    raise
+                self.close()
+                raise RunTimeout(_silent_message(run_id, timeout)) from exc
+
+    def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
         pauses = _poll_pauses(timeout)
         while True:
             run = self.get(run_id)
@@ -562,6 +588,17 @@ class AsyncClient:
     ) -> Run:
         """See :meth:`Client.wait`."""
         wanted = _wait_statuses(status)
+        if timeout is None:
+            return await self._wait(run_id, wanted, None)
+        try:
+            return await within(timeout + _ANSWER_GRACE, self._wait(run_id, wanted, timeout))
+        except TimeoutError as exc:
+            if isinstance(exc, RunTimeout):
+                raise
+            await self.close()
+            raise RunTimeout(_silent_message(run_id, timeout)) from exc
+
+    async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
         pauses = _poll_pauses(timeout)
         while True:
             run = await self.get(run_id)

@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .bounded_calls import Cutoff
 from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, check_schema_name, translated_errors
 from .render import error_message, format_age, one_line, to_json
 
@@ -266,6 +267,24 @@ def _keys() -> Iterator[Any]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+# how long one frame's reads may take before the database counts as not answering
+_FRAME_LIMIT = 5.0
+
+
+def _frame_within(conn: psycopg.Connection[Any], schema: str, seconds: float) -> dict[str, Any]:
+    """:func:`snapshot`, cut off after ``seconds``: a database that hangs (its bytes
+    acknowledged, so no TCP timeout notices) must not keep ``q`` from being read."""
+    with Cutoff(conn) as cutoff:
+        cutoff.arm(seconds)
+        try:
+            return snapshot(conn, schema)
+        except psycopg.OperationalError as exc:
+            if cutoff.expired:
+                raise psycopg.OperationalError(
+                    f"the database did not answer within {seconds:g}s") from exc
+            raise
+
+
 def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: bool = False,
         interval: float = 1.0) -> int:
     """Draw ``flowly top`` until ``q``; with ``once`` (or no terminal), print one frame."""
@@ -304,8 +323,9 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
                         return 0
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
-                    snap, error = snapshot(conn, schema), None
+                        conn = psycopg.connect(dsn, autocommit=True,
+                                               connect_timeout=int(_FRAME_LIMIT))
+                    snap, error = _frame_within(conn, schema, _FRAME_LIMIT), None
                 except psycopg.OperationalError as exc:  # keep drawing, say why it is stale
                     error = one_line(str(exc))
                     if conn is not None:

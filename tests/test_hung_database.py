@@ -199,7 +199,6 @@ def test_sigterm_ends_a_worker_whose_database_hangs_while_it_migrates(
 # -- the client -----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known: the Client's queries are not bounded yet")
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_client_wait_with_a_timeout_returns_in_time_while_the_database_hangs(
     dsn: str, kind: str
@@ -483,7 +482,6 @@ def test_a_stop_while_a_heartbeat_hangs_still_ends_the_heartbeat_thread(
 # -- the command line -----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known: top reads keys only between snapshots")
 def test_top_quits_on_q_while_the_database_hangs(dsn: str) -> None:
     """README: `flowly top` is "a live view ...; `q` quits", and it keeps drawing its last
     frame, saying why it is stale, when the database is unreachable. When the database
