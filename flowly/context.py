@@ -109,6 +109,10 @@ class RunStore(Protocol):
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
+    def check_lease(self) -> None:
+        """Raise LeaseLostInterrupt if the lease may have lapsed (nothing renewed it for a
+        lease): a step must not start under a lease another worker may hold by now."""
+
 
 # names key a btree index (run id, name), whose entries must stay under about 2.7 kB; the
 # database enforces the same limit (max_name_bytes())
@@ -434,6 +438,7 @@ class Context:
                 return stored.output
             raise CompensateInterrupt("compensate")
         await self._stop_if_decided()
+        self._store.check_lease()
 
         policy = retry or self._default_retry
         started_at = now()

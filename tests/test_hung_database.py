@@ -393,8 +393,6 @@ def test_a_checkpoint_committed_while_the_database_hangs_is_replayed_not_run_aga
     assert effects == {"a": 1, "b": 1, "c": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="known: a worker does not track how long its"
-                   " leases last")
 def test_a_worker_whose_lease_lapsed_while_the_database_hung_does_not_run_steps_checkpointed_since(
     dsn: str, db: psycopg.Connection[Any], client: flowly.Client
 ) -> None:

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ class _Held:
 
     run_id: str
     epoch: int
+    # until when (time.monotonic()) the lease is known to hold: a claim or a heartbeat that
+    # extended it was sent before then minus a lease (the server counts from later)
+    lease_until: float
     task: asyncio.Task[None] | None = None
 
 
@@ -101,6 +105,12 @@ class _RunStore:
     def __init__(self, worker: Worker, held: _Held) -> None:
         self._worker = worker
         self._held = held
+
+    def check_lease(self) -> None:
+        if time.monotonic() > self._held.lease_until:
+            raise LeaseLostInterrupt(
+                f"run {self._held.run_id}: no claim or heartbeat answered for more than the"
+                f" lease ({self._worker.lease:g}s), so another worker may hold it now")
 
     async def checkpoint(
         self, name: str, payload: str, started_at: datetime, compensable: bool, position: int
@@ -390,7 +400,7 @@ class Worker:
                 dsn=self.dsn, calls=self._calls, worker_id=self.worker_id, lease=self.lease,
                 loop=asyncio.get_running_loop(),
                 held=lambda: [(h.run_id, h.epoch, h) for h in list(self._held.values())],
-                on_lost=self._lost,
+                on_lost=self._lost, on_kept=_leases_kept,
             )
             heartbeat.start()
             background = [
@@ -454,6 +464,7 @@ class Worker:
                     await self._wakeup.wait()
 
     async def _claim(self, limit: int) -> int:
+        sent = time.monotonic()
         rows = await self._call(
             self._calls.claim,
             (self.worker_id, list(self.workflows), self.queues, limit,
@@ -467,7 +478,7 @@ class Worker:
                 logger.warning("run %s taken over from ourselves: cancelling the old execution",
                                run_id)
                 stale.task.cancel()
-            held = _Held(run_id, epoch)
+            held = _Held(run_id, epoch, lease_until=sent + self.lease)
             self._held[run_id] = held
             held.task = asyncio.create_task(
                 self._execute(held, self.workflows[workflow], status, input, attempt, generation,
@@ -707,6 +718,7 @@ class Worker:
                          "message": f"the workflow did not reach step {name!r} on replay, so its"
                                     " compensation is unknown"}
             else:
+                store.check_lease()
                 try:
                     if step.kind == "transaction":  # its success is recorded in its transaction
                         await run_write(held.run_id, partial(
@@ -751,6 +763,12 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+def _leases_kept(held: list[_Held], until: float) -> None:
+    """A heartbeat extended these leases (called on its thread: a float is set at once)."""
+    for run in held:
+        run.lease_until = max(run.lease_until, until)
 
 
 def _consume_outcome(call: asyncio.Future[Any]) -> None:

@@ -36,7 +36,7 @@ class Heartbeat:
     def __init__(
         self, *, dsn: str, calls: Calls, worker_id: str, lease: float,
         loop: asyncio.AbstractEventLoop, held: HeldSnapshot,
-        on_lost: Callable[[Any], None],
+        on_lost: Callable[[Any], None], on_kept: Callable[[list[Any], float], None],
     ) -> None:
         self._dsn = dsn
         self._calls = calls
@@ -45,6 +45,7 @@ class Heartbeat:
         self._loop = loop
         self._held = held
         self._on_lost = on_lost
+        self._on_kept = on_kept
         self._stopping = threading.Event()
         self._loop_seen = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="flowly-heartbeat", daemon=True)
@@ -111,6 +112,7 @@ class Heartbeat:
             self._beat_on(conn, held)
 
     def _beat_on(self, conn: psycopg.Connection[Any], held: list[tuple[str, int, Any]]) -> None:
+        sent = time.monotonic()  # the server extends the leases from a moment after this
         rows = conn.execute(
             self._calls.heartbeat,
             (self._worker_id, [h[0] for h in held], [h[1] for h in held],
@@ -118,10 +120,12 @@ class Heartbeat:
         ).fetchall()
         tokens = {h[0]: h[2] for h in held}
         for run_id, outcome in rows:
+            token = tokens.pop(run_id)
             if outcome == "busy":  # its row is locked elsewhere: extended at a later beat
                 logger.info("run %s busy: its lease was not extended this time", run_id)
             else:
-                self._loop.call_soon_threadsafe(self._on_lost, tokens[run_id])
+                self._loop.call_soon_threadsafe(self._on_lost, token)
+        self._on_kept(list(tokens.values()), sent + self._lease)
         conn.execute(self._calls.fold_run_counts)  # upkeep of flowly.run_counts
 
     def _warn_if_loop_blocked(self, interval: float) -> None:
