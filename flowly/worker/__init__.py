@@ -69,7 +69,8 @@ DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
-# the periodic purge (purge_after): how often, and at most how many batches of 1,000 a round
+# the periodic purge (purge_after): how often a round starts, and the runs of one batch (a
+# round deletes batch after batch until one comes back short)
 _PURGE_EVERY = 60.0
 _PURGE_BATCH = 1000
 # the longest pause between two cron ticks, whatever poll_interval says: a fire time more than
