@@ -173,10 +173,27 @@ def pages_read(conn: psycopg.Connection[Any], table: str, query: str,
     return int(scalar(conn, reads, table) - before), rows
 
 
+class _Pair:
+    """One proxied connection: the client's socket, the server's, and whether its bytes flow."""
+
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client = client
+        self.server = server
+        self.flowing = threading.Event()
+        self.flowing.set()
+
+    @property
+    def server_side_port(self) -> int:
+        """The port the server sees this connection come from (pg_stat_activity.client_port)."""
+        return int(self.server.getsockname()[1])
+
+
 class FreezableProxy:
-    """A TCP proxy in front of the test server whose traffic can be frozen: connections stay
-    open and bytes stop flowing, both ways, as when the server hangs or the network drops
-    packets. Connections opened while frozen wait for the thaw (cancel requests included)."""
+    """A TCP proxy in front of the test server whose traffic can be stopped while the
+    connections stay open and the kernel still acknowledges the bytes, so no TCP timeout
+    notices: all of it (``freeze``: the server hangs; connections opened meanwhile, cancel
+    requests included, wait for the thaw), or one connection (``hang_backend``: one backend
+    hangs, or a pooler in between has a stuck server connection)."""
 
     def __init__(self, dsn: str) -> None:
         with psycopg.connect(dsn) as conn:
@@ -184,11 +201,12 @@ class FreezableProxy:
         self._upstream: tuple[int, Any] = (
             (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/")
             else (socket.AF_INET, (host, port)))
+        # a server reached over a unix socket sees no client port to tell a connection by
+        self.upstream_is_unix_socket = self._upstream[0] == socket.AF_UNIX
         self._flowing = threading.Event()
         self._flowing.set()
-        self._sockets: list[socket.socket] = []
+        self._pairs: list[_Pair] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self._sockets.append(self._listener)
         params = conninfo_to_dict(dsn)
         for key in ("host", "hostaddr", "port"):
             params.pop(key, None)
@@ -202,9 +220,23 @@ class FreezableProxy:
     def thaw(self) -> None:
         self._flowing.set()
 
+    def hang_backend(self, client_port: int) -> None:
+        """Hang the connection the server sees coming from ``client_port``."""
+        for pair in self._pairs:
+            if pair.server_side_port == client_port:
+                pair.flowing.clear()
+                return
+        raise AssertionError(f"no proxied connection from port {client_port}")
+
+    def release_all(self) -> None:
+        """Let every hung connection go on (what piled up is delivered)."""
+        for pair in self._pairs:
+            pair.flowing.set()
+
     def close(self) -> None:
-        self._flowing.set()
-        for sock in self._sockets:
+        self.thaw()
+        self.release_all()
+        for sock in [self._listener] + [s for p in self._pairs for s in (p.client, p.server)]:
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -217,14 +249,17 @@ class FreezableProxy:
             self._flowing.wait()
             server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
             server.connect(self._upstream[1])
-            self._sockets += [client, server]
+            pair = _Pair(client, server)
+            self._pairs.append(pair)
             for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                threading.Thread(target=self._pump, args=(pair, source, sink),
+                                 daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, pair: _Pair, source: socket.socket, sink: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 self._flowing.wait()
+                pair.flowing.wait()
                 sink.sendall(data)
         for sock in (source, sink):
             with contextlib.suppress(OSError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,11 +18,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 import flowly
 from tests.support import (
     ROOT,
+    FreezableProxy,
     freezable_proxy,
     running_worker,
     scalar,
@@ -34,98 +34,15 @@ from tests.support import (
 # -- helpers --------------------------------------------------------------------------------
 
 
-class _Pair:
-    """One proxied connection: the client's socket, the server's, and whether bytes flow."""
-
-    def __init__(self, client: socket.socket, server: socket.socket) -> None:
-        self.client = client
-        self.server = server
-        self.flowing = threading.Event()
-        self.flowing.set()
-
-    @property
-    def server_side_port(self) -> int:
-        """The port the server sees this connection come from (pg_stat_activity.client_port)."""
-        return int(self.server.getsockname()[1])
-
-
-class HangingProxy:
-    """A TCP proxy whose connections can be hung one by one: the bytes of a hung connection
-    stop both ways while the connection stays open (the kernel still acknowledges them, as
-    when one backend of the server hangs, or a pooler in between has a stuck server
-    connection); every other connection, and new ones, go on as usual."""
-
-    def __init__(self, dsn: str) -> None:
-        with psycopg.connect(dsn) as conn:
-            host, port = conn.info.host, conn.info.port
-        self._upstream: tuple[int, Any] = (
-            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/")
-            else (socket.AF_INET, (host, port)))
-        self.upstream_is_unix_socket = self._upstream[0] == socket.AF_UNIX
-        self.pairs: list[_Pair] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        params = conninfo_to_dict(dsn)
-        for key in ("host", "hostaddr", "port"):
-            params.pop(key, None)
-        self.dsn = make_conninfo(**params, host="127.0.0.1",  # type: ignore[arg-type]
-                                 port=str(self._listener.getsockname()[1]))
-        threading.Thread(target=self._accept, name="test-hanging-proxy", daemon=True).start()
-
-    def hang_backend(self, pid_port: int) -> _Pair:
-        """Hang the connection the server sees coming from ``pid_port`` (client_port)."""
-        for pair in self.pairs:
-            if pair.server_side_port == pid_port:
-                pair.flowing.clear()
-                return pair
-        raise AssertionError(f"no proxied connection from port {pid_port}")
-
-    def release_all(self) -> None:
-        """Let every hung connection go on (what piled up is delivered)."""
-        for pair in self.pairs:
-            pair.flowing.set()
-
-    def close(self) -> None:
-        self.release_all()
-        for sock in [self._listener] + [s for p in self.pairs for s in (p.client, p.server)]:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
-            server.connect(self._upstream[1])
-            pair = _Pair(client, server)
-            self.pairs.append(pair)
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(pair, source, sink),
-                                 daemon=True).start()
-
-    @staticmethod
-    def _pump(pair: _Pair, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                pair.flowing.wait()
-                sink.sendall(data)
-        for sock in (source, sink):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-
 @contextmanager
-def hanging_proxy(dsn: str) -> Iterator[HangingProxy]:
-    proxy = HangingProxy(dsn)
-    if proxy.upstream_is_unix_socket:
-        proxy.close()
-        pytest.skip("the server (reached over a unix socket, as the embedded one is) sees no"
-                    " client port, by which the connection to hang is told")
-    try:
+def hanging_proxy(dsn: str) -> Iterator[FreezableProxy]:
+    """A proxy whose connections are hung one by one (``hang_backend``); skips the test on a
+    server reached over a unix socket (the embedded one), which sees no client port."""
+    with freezable_proxy(dsn) as proxy:
+        if proxy.upstream_is_unix_socket:
+            pytest.skip("the server (reached over a unix socket) sees no client port, by"
+                        " which the connection to hang is told")
         yield proxy
-    finally:
-        proxy.close()
 
 
 def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -289,7 +206,7 @@ def test_a_heartbeat_whose_backend_hangs_is_given_up_and_leases_are_still_kept(
 # -- transactional steps --------------------------------------------------------------------
 
 # the proxy of the running test, which a transactional step hangs its own connection through
-_PROXY: dict[str, HangingProxy] = {}
+_PROXY: dict[str, FreezableProxy] = {}
 _HUNG_ONCE: set[str] = set()
 
 
