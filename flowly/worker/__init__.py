@@ -319,8 +319,10 @@ class Worker:
         if not self.install_schema:
             return await self._unless_stopped(
                 on_daemon_thread(check_current_dsn, self.dsn, self._calls.schema))
+        # not the lease's tight connect and TCP timeouts: a slow start (a busy server, a long
+        # migration) is no reason to give up; a stop is what ends the wait
         connecting = on_daemon_thread(partial(
-            psycopg.Connection.connect, self.dsn, **session.connection_kwargs(self.lease)))
+            psycopg.Connection.connect, self.dsn, autocommit=True))
         if not await self._unless_stopped(connecting):
             connecting.add_done_callback(_close_connection)
             return False
