@@ -186,13 +186,15 @@ def test_a_heartbeat_whose_backend_hangs_is_given_up_and_leases_are_still_kept(
     import tests.workflows  # noqa: F401  (registers "three_steps")
     dbname = str(conninfo_to_dict(dsn)["dbname"])
     db.execute("update flowly.settings set max_takeovers = 3")
-    with hanging_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=1.5):
+    # a lease of 4 s: a beat every 1.3 s, cut off after 2 s (the least a beat is given), the
+    # next one 0.3 s later: within the lease
+    with hanging_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=4):
         port = wait_for(lambda: _backend_port(db, "%fold_run_counts%", dbname),
                         what="the heartbeat's connection")
         proxy.hang_backend(port)
-        run_id = client.start("three_steps", {"step_seconds": 3})
+        run_id = client.start("three_steps", {"step_seconds": 5})
         try:
-            run = client.wait(run_id, timeout=30)
+            run = client.wait(run_id, timeout=40)
         except flowly.RunTimeout:
             run = client.get(run_id)
         proxy.release_all()

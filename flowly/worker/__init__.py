@@ -515,9 +515,10 @@ class Worker:
                     while True:
                         async for _ in conn.notifies(timeout=self.lease):
                             self._wakeup.set()
-                        # every lease, the connection must answer: a hung backend or pooler
+                        # every lease, the connection must answer (in a couple of seconds
+                        # at least, a busy server is no hung one): a hung backend or pooler
                         # acknowledges the bytes, so no TCP timeout would tell it is gone
-                        await within(self.lease, conn.execute("select 1"))
+                        await within(max(self.lease, 2.0), conn.execute("select 1"))
             except (psycopg.Error, OSError) as exc:
                 logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
                                exc, self.poll_interval)

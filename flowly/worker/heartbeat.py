@@ -26,6 +26,9 @@ from . import session
 
 logger = logging.getLogger(__name__)
 
+# the least time a beat is given before it counts as hung (see _run)
+_BEAT_PATIENCE = 2.0
+
 HeldSnapshot = Callable[[], list[tuple[str, int, Any]]]
 """Returns the runs the worker holds now: (run id, epoch, the worker's token for the run)."""
 
@@ -79,8 +82,9 @@ class Heartbeat:
                     # a beat that hangs (a stuck backend or pooler acknowledges the bytes, so
                     # no TCP timeout notices) is cut off after an interval, and the next one
                     # goes soon on a new connection: the leases last a lease after the last
-                    # beat that got through
-                    self._beat(cut_off_after=interval)
+                    # beat that got through. A beat gets at least _BEAT_PATIENCE: on a busy
+                    # server a slow beat is no hung one, and cutting it would only lose it.
+                    self._beat(cut_off_after=max(interval, _BEAT_PATIENCE))
                     pause = interval
                 except (psycopg.Error, OSError) as exc:
                     logger.warning("heartbeat failed: %s", exc)
