@@ -122,7 +122,6 @@ class Cutoff:
                 self._timer = None
                 self._cut()
 
-
     @property
     def expired(self) -> bool:
         """Whether the connections were cut off (since armed)."""
