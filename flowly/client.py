@@ -8,6 +8,7 @@ and so commits or rolls back with the caller's transaction.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Collection, Iterator
@@ -281,6 +282,8 @@ class Client:
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
+        # libpq options bounding the connections opened now (a wait with a timeout)
+        self._connect_bound: dict[str, Any] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -297,7 +300,8 @@ class Client:
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
+                                         **self._connect_bound)
         return self._conn
 
     def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
@@ -374,15 +378,20 @@ class Client:
             return self._wait(run_id, wanted, None)
         # a database that stops answering (the bytes acknowledged, so no TCP timeout notices)
         # must not hold the caller past the timeout: the connections are cut off then
-        with Cutoff(lambda: (self._conn, self._listener)) as cutoff:
-            cutoff.arm(timeout + _ANSWER_GRACE)
-            try:
-                return self._wait(run_id, wanted, timeout)
-            except psycopg.Error as exc:
-                if not cutoff.expired:
-                    raise
-                self.close()
-                raise RunTimeout(_silent_message(run_id, timeout)) from exc
+        # (and a connection it opens meanwhile must not wait longer to be made)
+        self._connect_bound = {"connect_timeout": max(2, math.ceil(timeout + _ANSWER_GRACE))}
+        try:
+            with Cutoff(lambda: (self._conn, self._listener)) as cutoff:
+                cutoff.arm(timeout + _ANSWER_GRACE)
+                try:
+                    return self._wait(run_id, wanted, timeout)
+                except psycopg.Error as exc:
+                    if not cutoff.expired:
+                        raise
+                    self.close()
+                    raise RunTimeout(_silent_message(run_id, timeout)) from exc
+        finally:
+            self._connect_bound = {}
 
     def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
         pauses = _poll_pauses(timeout)
@@ -400,7 +409,7 @@ class Client:
     def _until_finished(self, run_id: str, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the NOTIFY that says ``run_id`` finished."""
         if self._listener is None or self._listener.closed:
-            self._listener = psycopg.connect(self.dsn, autocommit=True)
+            self._listener = psycopg.connect(self.dsn, autocommit=True, **self._connect_bound)
             channel = self._listener.execute(self.calls.finished_channel).fetchone()
             assert channel is not None
             self._listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel[0])))

@@ -506,10 +506,7 @@ class Worker:
             try:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
-                    channel = (await (await conn.execute(self._calls.wakeup_channel)).fetchone())
-                    assert channel is not None
-                    await conn.execute(psycopg.sql.SQL("listen {}").format(
-                        psycopg.sql.Identifier(channel[0])))
+                    await within(max(self.lease, 2.0), self._start_listening(conn))
                     backoff = 0.1
                     self._wakeup.set()  # catch up on anything started while we were away
                     while True:
@@ -524,6 +521,12 @@ class Worker:
                                exc, self.poll_interval)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        channel = (await (await conn.execute(self._calls.wakeup_channel)).fetchone())
+        assert channel is not None
+        await conn.execute(psycopg.sql.SQL("listen {}").format(
+            psycopg.sql.Identifier(channel[0])))
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -53,7 +53,8 @@ class Heartbeat:
         self._loop_seen = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="flowly-heartbeat", daemon=True)
         self._conn: psycopg.Connection[Any] | None = None
-        self._cutoff: Cutoff | None = None
+        # over whatever connection the beat uses: connecting and configuring one is bounded too
+        self._cutoff = Cutoff(lambda: (self._conn,))
 
     def start(self) -> None:
         self._thread.start()
@@ -65,9 +66,7 @@ class Heartbeat:
     def stop(self) -> None:
         """Tell the thread to end; a beat in flight is cut off (the database may hang)."""
         self._stopping.set()
-        cutoff = self._cutoff
-        if cutoff is not None:
-            cutoff.cut_if_armed()
+        self._cutoff.cut_if_armed()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -96,7 +95,6 @@ class Heartbeat:
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self._dsn, **session.connection_kwargs(self._lease))
-            self._cutoff = Cutoff(self._conn)
             session.configure(self._conn, self._lease)
         return self._conn
 
@@ -107,13 +105,11 @@ class Heartbeat:
 
     def _beat(self, cut_off_after: float) -> None:
         held = self._held()
-        conn = self._connection()
-        assert self._cutoff is not None
         with self._cutoff:
             self._cutoff.arm(cut_off_after)
             if self._stopping.is_set():  # stop() came before the arming: it cut nothing
                 return
-            self._beat_on(conn, held)
+            self._beat_on(self._connection(), held)
 
     def _beat_on(self, conn: psycopg.Connection[Any], held: list[tuple[str, int, Any]]) -> None:
         sent = time.monotonic()  # the server extends the leases from a moment after this

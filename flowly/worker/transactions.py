@@ -147,8 +147,8 @@ class Transactions:
     ) -> Any:
         async with self._pool.connection() as conn:
             with Cutoff(conn) as cutoff:
+                cutoff.arm(self._call_timeout)  # the BEGIN and what flowly sends after it
                 async with conn.transaction():
-                    cutoff.arm(self._call_timeout)
                     if isolation is not None:
                         await conn.execute(_set_isolation(isolation))
                     await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
@@ -174,26 +174,26 @@ class Transactions:
         args: tuple[Any, ...], isolation: str | None,
         finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
     ) -> Any:
-        with self._sync_connections().connection() as conn, Cutoff(conn) as cutoff, \
-                self._sync_transaction(conn):
-            cutoff.arm(self._call_timeout)
-            if isolation is not None:
-                conn.execute(_set_isolation(isolation))
-            conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
-            with translated_errors():
-                conn.execute(begin, begin_args)
-            cutoff.disarm()
-            try:
-                result = fn(conn, *args)
-            except Exception as exc:
-                failure = _failure_of(conn, exc)
-                if failure is exc:
-                    raise
-                raise failure from exc
-            query, params = finish(result)
-            cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
-            with translated_errors():
-                return conn.execute(query, params).fetchone()
+        with self._sync_connections().connection() as conn, Cutoff(conn) as cutoff:
+            cutoff.arm(self._call_timeout)  # the BEGIN and what flowly sends after it
+            with self._sync_transaction(conn):
+                if isolation is not None:
+                    conn.execute(_set_isolation(isolation))
+                conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
+                with translated_errors():
+                    conn.execute(begin, begin_args)
+                cutoff.disarm()
+                try:
+                    result = fn(conn, *args)
+                except Exception as exc:
+                    failure = _failure_of(conn, exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
+                query, params = finish(result)
+                cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
+                with translated_errors():
+                    return conn.execute(query, params).fetchone()
 
     @contextmanager
     def _sync_transaction(self, conn: psycopg.Connection[Any]) -> Iterator[None]:

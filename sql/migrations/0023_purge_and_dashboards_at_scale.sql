@@ -7,8 +7,9 @@
 -- wait row is gone once the outcome is recorded: a dead-lettered parent lost its failed child
 -- to purge, and its retry failed with RunNotFound. purge now also keeps a run whose failure an
 -- unfinished run recorded or whose failure ended a dead-lettered run (retired_by_retry; 0022
--- records the run's id with the outcome), and a child until its parent, unfinished or
--- dead-lettered, recorded its outcome.
+-- records the run's id with the outcome, and this migration adds it to the outcomes recorded
+-- before), a run whose failure a retry retired until the retried run asks for it again, and a
+-- child until its parent, unfinished or dead-lettered, recorded its outcome.
 --
 -- purge took the oldest finished runs through the index on finished_at and checked their
 -- status on the heap: `flowly purge --status cancelled` read every older completed run at
@@ -22,10 +23,27 @@
 drop index runs_finished_at;
 create index runs_finished on runs (status, finished_at) where finished_at is not null;
 
+-- Outcomes recorded before 0022 name their run only in the step's name ('run:' and the id,
+-- '#2' for the second wait of a run); a name too long became a digest and stays unnamed.
+update steps s
+set output = s.output || jsonb_build_object('run_id', case
+        when exists (select from runs r where r.id = substr(s.name, 5)) then substr(s.name, 5)
+        else regexp_replace(substr(s.name, 5), '#[0-9]+$', '') end)
+where s.kind = 'run' and not s.output ? 'run_id'
+  and s.name like 'run:%' and s.name not like 'run:sha256:%';
+update step_history h
+set output = h.output || jsonb_build_object('run_id', case
+        when exists (select from runs r where r.id = substr(h.name, 5)) then substr(h.name, 5)
+        else regexp_replace(substr(h.name, 5), '#[0-9]+$', '') end)
+where h.kind = 'run' and not h.output ? 'run_id'
+  and h.name like 'run:%' and h.name not like 'run:sha256:%';
+
 -- The recorded failures of runs (ctx.wait_for_run's outcome, not completed), by the run they
--- are about: what purge must keep while the run that recorded them may be retried. Small:
--- only failed outcomes.
+-- are about, in the current generation and in those a retry retired: what purge must keep
+-- while the run that recorded them may ask again. Small: only failed outcomes.
 create index steps_failed_run_outcomes on steps ((output ->> 'run_id'))
+    where kind = 'run' and output ->> 'status' <> 'completed';
+create index step_history_failed_run_outcomes on step_history ((output ->> 'run_id'))
     where kind = 'run' and output ->> 'status' <> 'completed';
 
 -- purge as in 0015, but it reads each status through runs_finished and also keeps the runs
@@ -77,6 +95,16 @@ begin
                                 and (waiter.status in ('pending', 'running', 'compensating')
                                      or waiter.status = 'dead_letter'
                                         and retired_by_retry(s, waiter)))
+              -- a run whose failure a retry retired, until the retried run asks again
+              and not exists (select from step_history h
+                              join runs waiter on waiter.id = h.run_id
+                              where (h.output ->> 'run_id') = r.id and h.kind = 'run'
+                                and h.output ->> 'status' <> 'completed'
+                                and waiter.status in ('pending', 'running', 'compensating',
+                                                      'dead_letter')
+                                and not exists (select from steps s
+                                                where s.run_id = h.run_id
+                                                  and s.name = h.name))
               -- a child whose parent, unfinished or dead-lettered, has not recorded its
               -- outcome yet (a retried parent may wait for it)
               and not exists (select from runs p
