@@ -26,8 +26,10 @@ from . import session
 
 logger = logging.getLogger(__name__)
 
-# the least time a beat is given before it counts as hung (see _run)
+# the least time a beat is given before it counts as hung, and the pause before the first
+# beat after one that failed (see _run)
 _BEAT_PATIENCE = 2.0
+_RETRY_AT_ONCE = 0.05
 
 HeldSnapshot = Callable[[], list[tuple[str, int, Any]]]
 """Returns the runs the worker holds now: (run id, epoch, the worker's token for the run)."""
@@ -88,7 +90,9 @@ class Heartbeat:
                 except (psycopg.Error, OSError) as exc:
                     logger.warning("heartbeat failed: %s", exc)
                     self._close()
-                    pause = interval / 4
+                    # the first try again at once (a new connection: the lease is running
+                    # out), the next ones a little apart (the database may be down)
+                    pause = _RETRY_AT_ONCE if pause == interval else interval / 4
         finally:
             self._close()
 
