@@ -273,3 +273,29 @@ def freezable_proxy(dsn: str) -> Iterator[FreezableProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+def in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Call ``fn`` on a daemon thread; the dict gets its 'result' or 'error' and 'took'."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            outcome["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # reported to the test
+            outcome["error"] = exc
+        outcome["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def client_port_of(db: psycopg.Connection[Any], query_like: str, dbname: str) -> int | None:
+    """The client port of the newest connection to ``dbname`` whose last query is like
+    ``query_like`` (FreezableProxy.hang_backend takes it)."""
+    port: int | None = scalar(db, "select client_port from pg_stat_activity where datname = %s"
+                              " and query like %s and client_port is not null"
+                              " order by backend_start desc limit 1", dbname, query_like)
+    return port

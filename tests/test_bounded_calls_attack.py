@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from typing import Any
 
 import psycopg
@@ -13,23 +12,14 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
-from tests.support import FreezableProxy, freezable_proxy, running_worker, scalar, wait_for
-
-
-def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        started = time.monotonic()
-        try:
-            outcome["result"] = fn(*args, **kwargs)
-        except BaseException as exc:  # reported to the test
-            outcome["error"] = exc
-        outcome["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
+from tests.support import (
+    FreezableProxy,
+    client_port_of,
+    freezable_proxy,
+    in_thread,
+    running_worker,
+    wait_for,
+)
 
 
 def test_a_second_client_wait_while_the_database_still_hangs_returns_in_time(dsn: str) -> None:
@@ -48,7 +38,7 @@ def test_a_second_client_wait_while_the_database_still_hangs_returns_in_time(dsn
         proxy.freeze()
         with pytest.raises(flowly.RunTimeout):  # cut off, the client's connections closed
             client.wait(run_id, timeout=1)
-        thread, outcome = _in_thread(client.wait, run_id, timeout=1)
+        thread, outcome = in_thread(client.wait, run_id, timeout=1)
         thread.join(12)
         hung = thread.is_alive()
         proxy.thaw()
@@ -107,12 +97,6 @@ class _HangNextConnectionProxy(FreezableProxy):
                 sock.shutdown(socket.SHUT_RDWR)
 
 
-def _backend_port(db: psycopg.Connection[Any], query_like: str, dbname: str) -> int | None:
-    port: int | None = scalar(db, "select client_port from pg_stat_activity where datname = %s"
-                              " and query like %s and client_port is not null"
-                              " order by backend_start desc limit 1", dbname, query_like)
-    return port
-
 
 def test_a_heartbeat_whose_new_connection_hangs_at_its_session_setup_recovers(
     dsn: str, db: psycopg.Connection[Any], client: flowly.Client
@@ -133,7 +117,7 @@ def test_a_heartbeat_whose_new_connection_hangs_at_its_session_setup_recovers(
         if proxy.upstream_is_unix_socket:
             pytest.skip("the server (reached over a unix socket) sees no client port")
         with running_worker(make_conninfo(proxy.dsn, sslmode="disable"), lease=4):
-            port = wait_for(lambda: _backend_port(db, "%fold_run_counts%", dbname),
+            port = wait_for(lambda: client_port_of(db, "%fold_run_counts%", dbname),
                             what="the heartbeat's connection")
             proxy.hang_next.set()  # the next connection opened (the heartbeat's) hangs too
             proxy.hang_backend(port)

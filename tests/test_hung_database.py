@@ -24,7 +24,9 @@ import flowly
 from tests.support import (
     ROOT,
     FreezableProxy,
+    client_port_of,
     freezable_proxy,
+    in_thread,
     running_worker,
     scalar,
     wait_for,
@@ -44,22 +46,6 @@ def hanging_proxy(dsn: str) -> Iterator[FreezableProxy]:
                         " which the connection to hang is told")
         yield proxy
 
-
-def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    """Call ``fn`` on a daemon thread; the dict gets its 'result' or 'error' and 'took'."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        started = time.monotonic()
-        try:
-            outcome["result"] = fn(*args, **kwargs)
-        except BaseException as exc:  # reported to the test
-            outcome["error"] = exc
-        outcome["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 # -- the worker's shutdown ------------------------------------------------------------------
@@ -139,7 +125,7 @@ def test_client_wait_with_a_timeout_returns_in_time_while_the_database_hangs(
             with pytest.raises(flowly.RunTimeout):  # the client's connections are open
                 client.wait(run_id, timeout=0.2)
             proxy.freeze()
-            thread, outcome = _in_thread(client.wait, run_id, timeout=2)
+            thread, outcome = in_thread(client.wait, run_id, timeout=2)
         else:
             async_client = flowly.AsyncClient(proxy.dsn)
             loop = asyncio.new_event_loop()
@@ -147,7 +133,7 @@ def test_client_wait_with_a_timeout_returns_in_time_while_the_database_hangs(
             with pytest.raises(flowly.RunTimeout):
                 loop.run_until_complete(async_client.wait(run_id, timeout=0.2))
             proxy.freeze()
-            thread, outcome = _in_thread(loop.run_until_complete,
+            thread, outcome = in_thread(loop.run_until_complete,
                                          async_client.wait(run_id, timeout=2))
         thread.join(10)
         hung = thread.is_alive()
@@ -164,12 +150,6 @@ def test_client_wait_with_a_timeout_returns_in_time_while_the_database_hangs(
 
 # -- the heartbeat --------------------------------------------------------------------------
 
-
-def _backend_port(db: psycopg.Connection[Any], query_like: str, dbname: str) -> int | None:
-    port: int | None = scalar(db, "select client_port from pg_stat_activity where datname = %s"
-                      " and query like %s and client_port is not null"
-                      " order by backend_start desc limit 1", dbname, query_like)
-    return port
 
 
 def test_a_heartbeat_whose_backend_hangs_is_given_up_and_leases_are_still_kept(
@@ -189,7 +169,7 @@ def test_a_heartbeat_whose_backend_hangs_is_given_up_and_leases_are_still_kept(
     # a lease of 4 s: a beat every 1.3 s, cut off after 2 s (the least a beat is given), the
     # next one 0.3 s later: within the lease
     with hanging_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=4):
-        port = wait_for(lambda: _backend_port(db, "%fold_run_counts%", dbname),
+        port = wait_for(lambda: client_port_of(db, "%fold_run_counts%", dbname),
                         what="the heartbeat's connection")
         proxy.hang_backend(port)
         run_id = client.start("three_steps", {"step_seconds": 5})
@@ -461,7 +441,7 @@ def test_a_hung_wakeup_listener_is_noticed_and_replaced(
     import tests.workflows  # noqa: F401  (registers "quick")
     dbname = str(conninfo_to_dict(dsn)["dbname"])
     with hanging_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=2, poll_interval=20):
-        port = wait_for(lambda: _backend_port(db, "listen %", dbname),
+        port = wait_for(lambda: client_port_of(db, "listen %", dbname),
                         what="the worker's LISTEN connection")
         proxy.hang_backend(port)
         time.sleep(6)  # a couple of leases: time enough to notice a connection that is hung
