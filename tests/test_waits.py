@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -83,11 +84,16 @@ def test_an_event_within_the_timeout_takes_the_other_branch(
 
 
 def test_fan_out_and_in_with_one_failing_child(
-    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
     """20 children started and awaited with asyncio.gather; child 7 fails and is caught as
-    ChildFailed; the parent holds no lease while it waits; a worker is SIGKILLed meanwhile."""
-    run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 1.0})
+    ChildFailed; the parent holds no lease while it waits; a worker is SIGKILLed meanwhile.
+
+    The children wait for a gate file, so that none finishes before the parent parks: a
+    parent that finds a child finished when it parks is due at once and runs on, which on a
+    slow machine left no moment at which to see it parked."""
+    gate = tmp_path / "gate"
+    run_id = client.start("fan_out", {"n": 20, "fail": 7, "seconds": 0.2, "gate": str(gate)})
     # a lease of 2 s, not 1: on a loaded machine a parent that starts 20 children and waits
     # for them, with seven sync steps beside it, could lose a 1 s lease again and again
     with worker_process(dsn, "--lease", "2", "--concurrency", "8") as first:
@@ -95,6 +101,7 @@ def test_fan_out_and_in_with_one_failing_child(
                                     " where parent_run_id = %s", run_id), what="20 children")
         wait_for(lambda: _parked(db, run_id), what="the parent parked")
         first.signal(signal.SIGKILL)
+    gate.touch()
     with worker_process(dsn, "--lease", "1", "--concurrency", "8"):
         run = client.wait(run_id, timeout=60)
     assert run.status == "completed", run.error

@@ -537,6 +537,12 @@ async def event_or_timeout(ctx: flowly.Context, inp: dict[str, Any]) -> str:
 @flowly.workflow("child_work")
 async def child_work(ctx: flowly.Context, inp: dict[str, Any]) -> int:
     def work() -> int:
+        if inp.get("gate"):  # a file the test creates when the children may go on
+            deadline = time.monotonic() + 60
+            while not os.path.exists(inp["gate"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the test never created the gate file")
+                time.sleep(0.02)
         if inp.get("fail"):
             raise ValueError(f"child {inp['i']} fails")
         time.sleep(inp.get("seconds", 0))
@@ -549,7 +555,8 @@ async def child_work(ctx: flowly.Context, inp: dict[str, Any]) -> int:
 async def fan_out(ctx: flowly.Context, inp: dict[str, Any]) -> list[Any]:
     """Starts ``n`` children (child ``fail`` fails) and gathers their outcomes."""
     children = [await ctx.start("child_work", {"i": i, "fail": i == inp.get("fail"),
-                                               "seconds": inp.get("seconds", 0)})
+                                               "seconds": inp.get("seconds", 0),
+                                               "gate": inp.get("gate")})
                 for i in range(inp["n"])]
 
     async def outcome(child: str) -> Any:
