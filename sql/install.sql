@@ -170,6 +170,12 @@ select not exists (select from schema_migrations where version = 23) as apply_mi
     insert into schema_migrations (version, name) values (23, '0023_purge_and_dashboards_at_scale');
 \endif
 
+select not exists (select from schema_migrations where version = 24) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0024_waits_wait_only_for_endings.sql
+    insert into schema_migrations (version, name) values (24, '0024_waits_wait_only_for_endings');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -88,6 +88,84 @@ def test_a_finish_that_starts_after_park_locked_its_target_sees_the_wait(
     assert _due(db, "p")
 
 
+# what the child's own worker may have in flight on the child's row (run c, claimed as w)
+_CHILD_WRITES = {
+    "claim": "select flowly.claim('w2', array['child'], array['default'], 1, '1 hour')",
+    "checkpoint": "select flowly.checkpoint('c', %(epoch)s, 'a', '1')",
+    "batched checkpoint": "select flowly.checkpoint_steps(array['c'], array[%(epoch)s::bigint],"
+                          " array['a'], array['1'::jsonb], array[now()], array[false],"
+                          " array[null::integer])",
+    "heartbeat": "select flowly.heartbeat('w', array['c'], array[%(epoch)s::bigint], '1 hour')",
+    "starting a grandchild": "select flowly.start('child', parent_run_id => 'c',"
+                             " parent_lease_epoch => %(epoch)s)",
+    "sleep": "select flowly.sleep('c', %(epoch)s, 'nap', p_seconds => 60)",
+}
+
+
+@pytest.mark.parametrize("write", sorted(_CHILD_WRITES))
+def test_a_wait_registers_and_parks_while_its_target_s_worker_writes_to_it(
+    dsn: str, db: psycopg.Connection[Any], write: str
+) -> None:
+    """Waiting for a run must not find it busy because its own worker is writing to it (a
+    claim, a checkpoint, a heartbeat, ...): in a fan-in over busy children one of them nearly
+    always is, and the parent went on asking (WF005) instead of parking, holding its lease and
+    its worker's slot, until the children were done. Only a write that ends the child is
+    worth waiting for (the test above)."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c')")
+    epoch = claim_as(db, "parent")["p"]
+    if write != "claim":
+        c_epoch = claim_as(db, "child")["c"]
+        if write == "sleep":  # a step first, so that the sleep is not the run's first call
+            db.execute("select flowly.checkpoint('c', %s, 'before', '0')", (c_epoch,))
+    with psycopg.connect(dsn) as child_worker:
+        child_worker.execute(_CHILD_WRITES[write], {"epoch": c_epoch} if write != "claim" else {})
+        with translated_errors():
+            parked_until = park_on_run(db, "p", epoch, "c")
+        child_worker.commit()
+    assert parked_until is None
+    assert not _due(db, "p")
+
+
+# writes that end run c (claimed as w), in flight while a run that waits for c parks
+_ENDING_WRITES = {
+    "completion": "select flowly.complete_runs(array['c'], array[%(epoch)s::bigint],"
+                  " array['1'::jsonb])",
+    "last failed attempt of a step": "select flowly.fail_step('c', %(epoch)s, 'a', '{}', now(),"
+                                     " 1, 'fixed', 1, 1)",
+    "failure of the body": "select flowly.fail_run('c', %(epoch)s, '{}', false)",
+    "timeout": "select flowly.dead_letter_stalled_runs()",
+    "cancel of its parent": "select flowly.cancel('g')",
+}
+
+
+@pytest.mark.parametrize("write", sorted(_ENDING_WRITES))
+def test_a_wait_parks_only_after_a_write_that_ends_its_target_commits(
+    dsn: str, db: psycopg.Connection[Any], write: str
+) -> None:
+    """The other side of the test above: a write that ends the child, in flight while the
+    parent parks, is invisible to park and has already looked for waiters; park must report
+    the parent busy until it commits, and then make the parent due."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'g')")
+    db.execute("select flowly.start('child', run_id => 'c', parent_run_id => 'g')")
+    epoch = claim_as(db, "parent")["p"]
+    c_epoch = claim_as(db, "child")["c"]
+    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                  epoch) == "waiting"
+    if write == "timeout":
+        db.execute("update flowly.runs set timeout_at = now() where id = 'c'")
+    with psycopg.connect(dsn) as child_worker:
+        child_worker.execute(_ENDING_WRITES[write], {"epoch": c_epoch})
+        with pytest.raises(flowly.RunBusy):
+            with translated_errors():
+                db.execute("select flowly.park('p', %s, array['run:c'])", (epoch,))
+        child_worker.commit()
+    assert scalar(db, "select status from flowly.runs where id = 'c'") != "running"
+    assert scalar(db, "select flowly.park('p', %s, array['run:c'])", epoch) is not None
+    assert _due(db, "p")
+
+
 def test_a_waiter_locked_elsewhere_does_not_stall_completions_of_other_runs(
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:

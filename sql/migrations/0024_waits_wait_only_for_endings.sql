@@ -1,0 +1,375 @@
+-- 0024_waits_wait_only_for_endings: a run that waits for another registers its wait and parks
+-- while the other's worker writes to it; only a write that ends the other holds it up.
+--
+-- park share-locked the runs it waits for, and wait_for_run key-share-locked its target, so
+-- that a write ending a target, in flight and invisible to them, reports the waiter busy
+-- (WF005) instead of letting it park for ever. But the share lock conflicted with every write
+-- to the target (a checkpoint, a heartbeat, a completion batch of other runs), and the key
+-- share with every write that locked it FOR UPDATE (a claim, a sleep, a child's start): in a
+-- fan-in over busy children one of them nearly always is being written, and the parent went
+-- on asking instead of parking, holding its lease and a slot of its worker, until its
+-- children were done.
+--
+-- Lock modes now say what a write is:
+-- - FOR UPDATE: the writes that a run depending on this one must not miss: those that end
+--   the run (complete_runs, fail_run, fail_step, finish_compensation, cancel and the runs it
+--   cancels with it, the timeout sweep, purge) and park, which must not miss an event being
+--   sent to the run (its insert key-share-locks the run through the foreign key).
+-- - FOR NO KEY UPDATE: every other write of a worker (claim, checkpoint, heartbeat, sleep,
+--   start, wait registration, compensation records).
+-- - FOR KEY SHARE: what depends on a run: a wait registering on it or parking on it, an
+--   event sent to it, its own transactional step. These conflict with the FOR UPDATE writes
+--   only.
+--
+-- Lock order as in 0014: the waiting run's row, then the rows of the runs it waits for.
+
+-- Locks a run the caller's worker holds for a write that does not end it; see
+-- lock_held_run_for_update for one that may.
+create or replace function lock_held_run(p_run_id text, p_epoch bigint, p_statuses text[])
+returns runs
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_run runs;
+begin
+    select * into v_run from runs r where r.id = p_run_id for no key update skip locked;
+    return check_fence(p_run_id, p_epoch, p_statuses, v_run, found);
+end
+$$;
+
+-- Locks a run the caller's worker holds for a write that may end it or park it: the lock
+-- conflicts with the key-share locks of waits and events that depend on the run.
+create function lock_held_run_for_update(p_run_id text, p_epoch bigint, p_statuses text[])
+returns runs
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_run runs;
+begin
+    select * into v_run from runs r where r.id = p_run_id for update skip locked;
+    return check_fence(p_run_id, p_epoch, p_statuses, v_run, found);
+end
+$$;
+
+-- park as in 0022, with its own row locked for update and the runs it waits for key-share
+-- locked: busy only while one of them is being ended.
+create or replace function park(p_run_id text, p_epoch bigint, p_steps text[])
+returns timestamptz
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_targets text[];
+    v_due timestamptz;
+begin
+    perform lock_held_run_for_update(p_run_id, p_epoch, array['running']);
+    delete from waits w where w.run_id = p_run_id and w.step <> all(p_steps);
+    v_targets := array(
+        select t.id from waits w join runs t on t.id = w.target
+        where w.run_id = p_run_id and w.kind = 'run');
+    if cardinality(v_targets) > cardinality(array(
+            select t.id from runs t where t.id = any(v_targets)
+            order by t.id
+            for key share skip locked)) then
+        raise exception 'run % is busy: a run it waits for is held by another transaction;'
+            ' try again', p_run_id using errcode = 'WF005';
+    end if;
+    if parked_run_is_due(p_run_id) then
+        v_due := now();
+    else
+        -- "never" is the last day clients can read ('infinity' would break every reader)
+        select coalesce(min(w.timeout_at), timestamptz '9999-12-31 00:00:00+00') into v_due
+        from waits w
+        where w.run_id = p_run_id;
+    end if;
+    perform release_held_run(p_run_id, v_due);
+    return nullif(v_due, timestamptz '9999-12-31 00:00:00+00');
+end
+$$;
+
+-- fail_run, fail_step and finish_compensation as in 0003, their run locked for update: each
+-- may end it.
+create or replace function fail_run(
+    p_run_id text, p_epoch bigint, p_error jsonb, p_retryable boolean default true
+) returns table (decision text, retry_at timestamptz)
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_run runs;
+begin
+    v_run := lock_held_run_for_update(p_run_id, p_epoch, array['running']);
+    if p_retryable and v_run.attempt < v_run.max_attempts then
+        retry_at := now() + backoff_delay('exponential', 1, 300, v_run.attempt);
+        update runs r set attempt = r.attempt + 1, error = as_error(p_error)
+        where r.id = p_run_id;
+        perform release_held_run(p_run_id, retry_at);
+        decision := 'retry';
+    else
+        decision := begin_compensation(p_run_id, as_error(p_error));
+    end if;
+    return next;
+end
+$$;
+
+create or replace function fail_step(
+    p_run_id text, p_epoch bigint, p_name text, p_error jsonb, p_started_at timestamptz,
+    p_max_attempts integer, p_backoff text, p_initial_delay double precision,
+    p_max_delay double precision, p_retryable boolean default true,
+    p_position integer default null
+) returns table (decision text, retry_at timestamptz)
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_run runs;
+    v_failures integer;
+    v_failed_at timestamptz := clock_timestamp();
+begin
+    perform check_name('step name', p_name);
+    v_run := lock_held_run_for_update(p_run_id, p_epoch, array['running', 'compensating']);
+    select count(*) + 1 into v_failures from step_attempts a
+    where a.run_id = p_run_id and a.step_name = p_name and a.generation = v_run.generation;
+    if p_retryable and v_failures < p_max_attempts and v_run.status = 'running' then
+        retry_at := v_failed_at
+            + backoff_delay(p_backoff, p_initial_delay, p_max_delay, v_failures);
+    end if;
+    insert into step_attempts (run_id, step_name, generation, attempt, error, started_at,
+                               failed_at, retry_at)
+    values (p_run_id, p_name, v_run.generation, v_failures, p_error, p_started_at, v_failed_at,
+            retry_at);
+    if retry_at is not null then
+        perform release_held_run(p_run_id, retry_at);
+        decision := 'retry';
+        return next;
+        return;
+    end if;
+    insert into steps (run_id, name, seq, position, status, error, attempts, started_at)
+    values (p_run_id, p_name, nextval('step_seq'), p_position, 'failed', p_error, v_failures,
+            p_started_at)
+    on conflict do nothing;
+    if v_run.status = 'compensating' then
+        decision := 'compensate';
+    else
+        decision := begin_compensation(p_run_id,
+                                       as_error(p_error) || jsonb_build_object('step', p_name));
+    end if;
+    return next;
+end
+$$;
+
+create or replace function finish_compensation(p_run_id text, p_epoch bigint) returns boolean
+language plpgsql
+set search_path from current
+as $$
+declare
+    v_ok boolean;
+begin
+    perform lock_held_run_for_update(p_run_id, p_epoch, array['compensating']);
+    if exists (select from steps s where s.run_id = p_run_id and s.compensable) then
+        v_ok := not exists (select from steps s
+                            where s.run_id = p_run_id and s.compensable
+                              and s.compensation_status is distinct from 'completed');
+    end if;
+    update runs r
+    set status = 'dead_letter', compensation_ok = v_ok, finished_at = now(),
+        locked_by = null, locked_until = null, lease_epoch = r.lease_epoch + 1
+    where r.id = p_run_id;
+    return v_ok;
+end
+$$;
+
+-- complete_runs as in 0011, its runs locked for update.
+create or replace function complete_runs(p_run_ids text[], p_epochs bigint[], p_outputs jsonb[])
+returns table (run_id text, lease_lost boolean, busy boolean)
+language plpgsql
+set search_path from current
+set plan_cache_mode = force_generic_plan
+set jit = off
+set enable_seqscan = off
+as $$
+begin
+    return query
+    with items as (
+        select i.id, i.epoch, i.output, i.ord
+        from unnest(p_run_ids, p_epochs, p_outputs) with ordinality as i (id, epoch, output, ord)
+    ), locked as (
+        select r.id, r.lease_epoch, r.status from runs r
+        where r.id = any(p_run_ids)
+        order by r.id
+        for update skip locked
+    ), done as (
+        update runs r
+        set status = 'completed', output = i.output, error = null, finished_at = now(),
+            locked_by = null, locked_until = null
+        from items i
+        join locked l on l.id = i.id
+        where r.id = l.id and l.lease_epoch = i.epoch and l.status = 'running'
+        returning r.id
+    )
+    select i.id, d.id is null and not b.busy, d.id is null and b.busy
+    from items i
+    left join done d on d.id = i.id
+    left join locked l on l.id = i.id
+    left join lateral (
+        select r.lease_epoch, r.status from runs r where l.id is null and r.id = i.id
+    ) now_held on true
+    -- not locked, yet its token still current: another transaction holds the row
+    cross join lateral (
+        select coalesce(l.id is null and now_held.lease_epoch = i.epoch
+                        and now_held.status = 'running', false) as busy
+    ) b
+    order by i.ord;
+end
+$$;
+
+-- claim as in 0017, its runs locked for no key update: a claim ends nothing.
+create or replace function claim(
+    p_worker text, p_workflows text[], p_queues text[], p_limit integer, p_lease interval
+) returns table (
+    run_id text, workflow text, status text, input jsonb, attempt integer, generation integer,
+    lease_epoch bigint, has_history boolean
+)
+language plpgsql
+set search_path from current
+-- see 0013 for these settings
+set plan_cache_mode = force_generic_plan
+set jit = off
+set enable_seqscan = off
+as $$
+declare
+    v_queues text[] := array(select distinct q from unnest(p_queues) q where q is not null);
+    v_workflows text[] := array(select distinct w from unnest(p_workflows) w where w is not null);
+    -- the levels above this one are done; above every integer priority at first
+    v_below bigint := 2147483648;
+    v_priority integer;
+    v_ids text[] := '{}';
+    v_tried text[] := '{}';
+    v_due text[];
+begin
+    if p_limit is null or p_limit < 1 then
+        raise exception 'claim limit must be a positive number of runs, got %',
+            coalesce(p_limit::text, 'null') using errcode = 'WF003';
+    end if;
+    perform check_lease(p_lease);
+    perform dead_letter_stalled_runs();
+    loop
+        -- the next priority level below v_below at which a served queue has runs of a
+        -- served workflow
+        select max(l.priority) into v_priority
+        from unnest(v_queues) q (name)
+        cross join unnest(v_workflows) w (name)
+        cross join lateral (
+            select r.priority from runs r
+            where r.queue = q.name and r.workflow = w.name
+              and r.status in ('pending', 'running', 'compensating')
+              and r.priority < v_below
+            order by r.priority desc
+            limit 1) l;
+        exit when v_priority is null;
+        v_below := v_priority;
+        loop
+            -- the longest due runs of this level, merged from one range per queue and
+            -- workflow; those another claim holds were tried and are not read again
+            v_due := array(
+                select d.id from unnest(v_queues) q (name)
+                cross join unnest(v_workflows) w (name)
+                cross join lateral (
+                    select r.id, r.available_at from runs r
+                    where r.queue = q.name and r.workflow = w.name and r.priority = v_priority
+                      and r.status in ('pending', 'running', 'compensating')
+                      and r.available_at <= now()
+                      and (r.timeout_at is null or r.timeout_at >= now()
+                           or r.status = 'compensating')
+                      and r.id <> all(v_tried)
+                    order by r.available_at
+                    limit p_limit - cardinality(v_ids)) d
+                order by d.available_at
+                limit p_limit - cardinality(v_ids));
+            exit when cardinality(v_due) = 0;
+            v_tried := v_tried || v_due;
+            -- locked, and checked again on the version locked (a claim that committed
+            -- meanwhile may have taken the run)
+            v_ids := v_ids || array(
+                select r.id from runs r
+                where r.id = any(v_due) and r.status in ('pending', 'running', 'compensating')
+                  and r.available_at <= now()
+                  and (r.timeout_at is null or r.timeout_at >= now()
+                       or r.status = 'compensating')
+                order by r.available_at
+                for no key update skip locked);
+            exit when cardinality(v_ids) >= p_limit;
+        end loop;
+        exit when cardinality(v_ids) >= p_limit;
+    end loop;
+    if cardinality(v_ids) = 0 then
+        return;
+    end if;
+    update runs r
+    set status = case r.status when 'pending' then 'running' else r.status end,
+        lease_epoch = r.lease_epoch + 1,
+        takeovers = r.takeovers
+            + (r.locked_until is not null and not worker_alive(r.locked_by))::integer,
+        locked_by = p_worker,
+        locked_until = now() + p_lease,
+        started_at = coalesce(r.started_at, now())
+    where r.id = any(v_ids);
+    update timers t set fired_at = now()
+    where t.run_id = any(v_ids) and t.fired_at is null and t.wake_at <= now();
+    return query
+    select r.id, r.workflow, r.status, r.input, r.attempt, r.generation, r.lease_epoch,
+           h.present is not null
+    from unnest(v_ids) with ordinality as c (id, ord)
+    join runs r on r.id = c.id
+    -- one probe of each index per run, stopped at the first row (see 0013)
+    left join lateral (
+        select true as present from steps s where s.run_id = r.id
+        union all
+        select true from timers t where t.run_id = r.id
+        limit 1
+    ) h on true
+    order by c.ord;
+end
+$$;
+
+-- cancel as in 0015, with the runs it cancels with the given one (those it started, and
+-- theirs) locked for update before it ends them, in id order.
+create or replace function cancel(run_id text) returns text
+language plpgsql
+set search_path from current
+set lock_timeout = '5s'
+as $$
+declare
+    v_run runs := lock_run_for_operator(cancel.run_id);
+begin
+    if v_run.status not in ('pending', 'running', 'compensating') then
+        return v_run.status;
+    end if;
+    with recursive family as (
+        select v_run.id as id
+        union
+        select c.id from runs c join family f on c.parent_run_id = f.id
+    ), locked as (
+        select r.id from runs r
+        where r.id in (select f.id from family f)
+          and r.status in ('pending', 'running', 'compensating')
+        order by r.id
+        for update of r
+    )
+    update runs r
+    set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
+        lease_epoch = r.lease_epoch + 1,
+        compensation_ok = case when r.status = 'compensating' then false
+                               else r.compensation_ok end
+    from locked l
+    where r.id = l.id;
+    return 'cancelled';
+exception
+    when lock_not_available then
+        raise exception 'run % is busy: another transaction has held the row of a run it'
+            ' started for over %; try again', cancel.run_id, current_setting('lock_timeout')
+            using errcode = 'WF005';
+end
+$$;
