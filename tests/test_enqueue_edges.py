@@ -153,9 +153,14 @@ def test_a_live_worker_with_a_long_poll_interval_still_ticks_within_the_grace(
     with running_worker(dsn, workflows=["quick"], poll_interval=90):
         time.sleep(0.5)  # the first tick, at start, is done
         db.execute("update flowly.schedules set next_fire_at = now()")
-        wait_for(lambda: scalar(db, "select count(*) from flowly.runs"
-                                    " where id like 'yearly@%%'") == 1,
-                 what="the schedule fired by a tick well before the poll interval")
+        try:
+            wait_for(lambda: scalar(db, "select count(*) from flowly.runs"
+                                        " where id like 'yearly@%%'") == 1,
+                     what="the schedule fired by a tick well before the poll interval")
+        except AssertionError as exc:
+            state = db.execute("select now(), s.*, array(select id from flowly.runs)"
+                               " from flowly.schedules s").fetchall()
+            raise AssertionError(f"{exc}; schedules and runs: {state}") from None
 
 
 # --- held: concurrency key handed over, then the old holder retried ---------------------------
