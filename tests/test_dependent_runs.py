@@ -88,9 +88,10 @@ def test_a_finish_that_starts_after_park_locked_its_target_sees_the_wait(
     assert _due(db, "p")
 
 
-# what the child's own worker may have in flight on the child's row (run c, claimed as w)
+# what the child's own worker may have in flight on the child's row (run c, claimed as w);
+# not a claim, which locks for update so as not to take over a run whose transactional step is
+# still open in a stalled worker's session
 _CHILD_WRITES = {
-    "claim": "select flowly.claim('w2', array['child'], array['default'], 1, '1 hour')",
     "checkpoint": "select flowly.checkpoint('c', %(epoch)s, 'a', '1')",
     "batched checkpoint": "select flowly.checkpoint_steps(array['c'], array[%(epoch)s::bigint],"
                           " array['a'], array['1'::jsonb], array[now()], array[false],"
@@ -110,16 +111,15 @@ def test_a_wait_registers_and_parks_while_its_target_s_worker_writes_to_it(
     claim, a checkpoint, a heartbeat, ...): in a fan-in over busy children one of them nearly
     always is, and the parent went on asking (WF005) instead of parking, holding its lease and
     its worker's slot, until the children were done. Only a write that ends the child is
-    worth waiting for (the test above)."""
+    worth waiting for (the test below)."""
     db.execute("select flowly.start('parent', run_id => 'p')")
     db.execute("select flowly.start('child', run_id => 'c')")
     epoch = claim_as(db, "parent")["p"]
-    if write != "claim":
-        c_epoch = claim_as(db, "child")["c"]
-        if write == "sleep":  # a step first, so that the sleep is not the run's first call
-            db.execute("select flowly.checkpoint('c', %s, 'before', '0')", (c_epoch,))
+    c_epoch = claim_as(db, "child")["c"]
+    if write == "sleep":  # a step first, so that the sleep is not the run's first call
+        db.execute("select flowly.checkpoint('c', %s, 'before', '0')", (c_epoch,))
     with psycopg.connect(dsn) as child_worker:
-        child_worker.execute(_CHILD_WRITES[write], {"epoch": c_epoch} if write != "claim" else {})
+        child_worker.execute(_CHILD_WRITES[write], {"epoch": c_epoch})
         with translated_errors():
             parked_until = park_on_run(db, "p", epoch, "c")
         child_worker.commit()
