@@ -176,6 +176,12 @@ select not exists (select from schema_migrations where version = 24) as apply_mi
     insert into schema_migrations (version, name) values (24, '0024_waits_wait_only_for_endings');
 \endif
 
+select not exists (select from schema_migrations where version = 25) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0025_missed_wakeups_kept_apart.sql
+    insert into schema_migrations (version, name) values (25, '0025_missed_wakeups_kept_apart');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -227,42 +227,51 @@ begin
 end
 $$;
 
--- cancel as in 0015, with the runs it cancels with the given one (those it started, and
--- theirs) locked for update before it ends them, in id order.
+-- cancel as in 0015, but the run and the runs it cancels with it (those it started, and
+-- theirs) are locked for update, all in id order: the order every cancel takes, so that two
+-- cancels of nested families cannot deadlock. The family is read again once locked, in case
+-- one of its runs started another meanwhile.
 create or replace function cancel(run_id text) returns text
 language plpgsql
 set search_path from current
 set lock_timeout = '5s'
 as $$
 declare
-    v_run runs := lock_run_for_operator(cancel.run_id);
+    v_family text[];
+    v_locked text[] := '{}';
+    v_status text;
 begin
-    if v_run.status not in ('pending', 'running', 'compensating') then
-        return v_run.status;
+    loop
+        v_family := array(
+            with recursive family as (
+                select r.id, r.status from runs r where r.id = cancel.run_id
+                union
+                select c.id, c.status from runs c join family f on c.parent_run_id = f.id
+            )
+            select f.id from family f
+            where f.id = cancel.run_id or f.status in ('pending', 'running', 'compensating'));
+        exit when v_family <@ v_locked;
+        v_locked := array(
+            select r.id from runs r where r.id = any(v_family) order by r.id for update);
+    end loop;
+    select r.status into v_status from runs r where r.id = cancel.run_id;
+    if not found then
+        raise exception 'run % not found', cancel.run_id using errcode = 'WF002';
     end if;
-    with recursive family as (
-        select v_run.id as id
-        union
-        select c.id from runs c join family f on c.parent_run_id = f.id
-    ), locked as (
-        select r.id from runs r
-        where r.id in (select f.id from family f)
-          and r.status in ('pending', 'running', 'compensating')
-        order by r.id
-        for update of r
-    )
+    if v_status not in ('pending', 'running', 'compensating') then
+        return v_status;
+    end if;
     update runs r
     set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
         lease_epoch = r.lease_epoch + 1,
         compensation_ok = case when r.status = 'compensating' then false
                                else r.compensation_ok end
-    from locked l
-    where r.id = l.id;
+    where r.id = any(v_locked) and r.status in ('pending', 'running', 'compensating');
     return 'cancelled';
 exception
     when lock_not_available then
-        raise exception 'run % is busy: another transaction has held the row of a run it'
-            ' started for over %; try again', cancel.run_id, current_setting('lock_timeout')
-            using errcode = 'WF005';
+        raise exception 'run % is busy: another transaction has held its row, or the row of'
+            ' a run it started, for over %; try again', cancel.run_id,
+            current_setting('lock_timeout') using errcode = 'WF005';
 end
 $$;
