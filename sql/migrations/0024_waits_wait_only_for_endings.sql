@@ -23,7 +23,8 @@
 --   event sent to it, its own transactional step. These conflict with the FOR UPDATE writes
 --   only.
 --
--- Lock order as in 0014: the waiting run's row, then the rows of the runs it waits for.
+-- Lock order as in 0014: the waiting run's row, then the rows of the runs it waits for;
+-- cancel: the run and the runs it cancels with it, all in id order.
 
 -- Locks a run the caller's worker holds for a write that does not end it; see
 -- lock_held_run_for_update for one that may.
