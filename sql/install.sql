@@ -182,6 +182,12 @@ select not exists (select from schema_migrations where version = 25) as apply_mi
     insert into schema_migrations (version, name) values (25, '0025_missed_wakeups_kept_apart');
 \endif
 
+select not exists (select from schema_migrations where version = 26) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0026_cancelled_families_stay_cancelled.sql
+    insert into schema_migrations (version, name) values (26, '0026_cancelled_families_stay_cancelled');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -363,3 +363,20 @@ def test_a_worker_applies_the_wake_up_that_found_the_parent_s_row_held(
         run = client.wait(parent, timeout=20)
     assert (run.status, run.output) == ("completed", "child done")
     assert scalar(db, "select count(*) from flowly.missed_wakeups") == 0
+
+
+def test_a_cancelled_run_takes_no_more_children(db: psycopg.Connection[Any]) -> None:
+    """A cancelled family stays cancelled: a child started by hand under a cancelled run, and
+    a retry of a dead-lettered child of one, are refused (WF004), naming the parent."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'old', parent_run_id => 'p')")
+    db.execute("update flowly.runs set status = 'dead_letter', finished_at = now()"
+               " where id = 'old'")
+    assert scalar(db, "select flowly.cancel('p')") == "cancelled"
+    for call in ("select flowly.start('child', run_id => 'new', parent_run_id => 'p')",
+                 "select flowly.retry_dead_letter('old')"):
+        with pytest.raises(flowly.InvalidState, match="run p was cancelled"):
+            with translated_errors():
+                db.execute(call)
+    assert scalar(db, "select count(*) from flowly.runs where parent_run_id = 'p'"
+                      " and status in ('pending', 'running')") == 0

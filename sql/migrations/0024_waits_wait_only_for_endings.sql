@@ -13,7 +13,7 @@
 -- Lock modes now say what a write is:
 -- - FOR UPDATE: the writes that a run depending on this one must not miss: those that end
 --   the run (complete_runs, fail_run, fail_step, finish_compensation, cancel and the runs it
---   cancels with it, the timeout sweep, purge) and park, which must not miss an event being
+--   cancels with it (0026), the timeout sweep, purge) and park, which must not miss an event being
 --   sent to the run (its insert key-share-locks the run through the foreign key). claim too,
 --   so that a run whose transactional step is still open in a stalled worker's session is not
 --   taken over before that session ends; a claim is short, and a waiter asks again soon.
@@ -23,8 +23,7 @@
 --   event sent to it, its own transactional step. These conflict with the FOR UPDATE writes
 --   only.
 --
--- Lock order as in 0014: the waiting run's row, then the rows of the runs it waits for;
--- cancel: the run and the runs it cancels with it, all in id order.
+-- Lock order as in 0014: the waiting run's row, then the rows of the runs it waits for.
 
 -- Locks a run the caller's worker holds for a write that does not end it; see
 -- lock_held_run_for_update for one that may.
@@ -225,54 +224,5 @@ begin
                         and now_held.status = 'running', false) as busy
     ) b
     order by i.ord;
-end
-$$;
-
--- cancel as in 0015, but the run and the runs it cancels with it (those it started, and
--- theirs) are locked for update, all in id order: the order every cancel takes, so that two
--- cancels of nested families cannot deadlock. The family is read again once locked, in case
--- one of its runs started another meanwhile.
-create or replace function cancel(run_id text) returns text
-language plpgsql
-set search_path from current
-set lock_timeout = '5s'
-as $$
-declare
-    v_family text[];
-    v_locked text[] := '{}';
-    v_status text;
-begin
-    loop
-        v_family := array(
-            with recursive family as (
-                select r.id, r.status from runs r where r.id = cancel.run_id
-                union
-                select c.id, c.status from runs c join family f on c.parent_run_id = f.id
-            )
-            select f.id from family f
-            where f.id = cancel.run_id or f.status in ('pending', 'running', 'compensating'));
-        exit when v_family <@ v_locked;
-        v_locked := array(
-            select r.id from runs r where r.id = any(v_family) order by r.id for update);
-    end loop;
-    select r.status into v_status from runs r where r.id = cancel.run_id;
-    if not found then
-        raise exception 'run % not found', cancel.run_id using errcode = 'WF002';
-    end if;
-    if v_status not in ('pending', 'running', 'compensating') then
-        return v_status;
-    end if;
-    update runs r
-    set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
-        lease_epoch = r.lease_epoch + 1,
-        compensation_ok = case when r.status = 'compensating' then false
-                               else r.compensation_ok end
-    where r.id = any(v_locked) and r.status in ('pending', 'running', 'compensating');
-    return 'cancelled';
-exception
-    when lock_not_available then
-        raise exception 'run % is busy: another transaction has held its row, or the row of'
-            ' a run it started, for over %; try again', cancel.run_id,
-            current_setting('lock_timeout') using errcode = 'WF005';
 end
 $$;
