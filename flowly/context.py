@@ -653,7 +653,10 @@ class Context:
     def _wait_record(self, kind: str, key: str) -> str:
         count = self._wait_counts.get(f"{kind}:{key}", 0) + 1
         self._wait_counts[f"{kind}:{key}"] = count
-        return _record_name(kind, key if count == 1 else f"{key}#{count}")
+        # a '#' of the key doubled, so that the n-th wait's '#n' is never part of a key: the
+        # first wait for event "go#2" and the second for "go" are recorded apart
+        escaped = key.replace("#", "##")
+        return _record_name(kind, escaped if count == 1 else f"{escaped}#{count}")
 
     async def _waited(self, call: Callable[[], Awaitable[T]]) -> T:
         """A wait's engine call, counted as in flight so the run is parked only once every

@@ -188,6 +188,12 @@ select not exists (select from schema_migrations where version = 26) as apply_mi
     insert into schema_migrations (version, name) values (26, '0026_cancelled_families_stay_cancelled');
 \endif
 
+select not exists (select from schema_migrations where version = 27) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0027_events_refused_once_runs_end.sql
+    insert into schema_migrations (version, name) values (27, '0027_events_refused_once_runs_end');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles
