@@ -194,6 +194,12 @@ select not exists (select from schema_migrations where version = 27) as apply_mi
     insert into schema_migrations (version, name) values (27, '0027_events_refused_once_runs_end');
 \endif
 
+select not exists (select from schema_migrations where version = 28) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0028_purge_keeps_families_whole.sql
+    insert into schema_migrations (version, name) values (28, '0028_purge_keeps_families_whole');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles
