@@ -299,3 +299,28 @@ def client_port_of(db: psycopg.Connection[Any], query_like: str, dbname: str) ->
                               " and query like %s and client_port is not null"
                               " order by backend_start desc limit 1", dbname, query_like)
     return port
+
+
+# parked runs (pending, not due) with a wait that is satisfied: 0022's parked_run_is_due,
+# written out again here so that a check does not trust the engine's own rule
+LOST_WAKEUPS = """
+select r.id, w.step from flowly.runs r
+join flowly.waits w on w.run_id = r.id
+where r.status = 'pending' and r.scheduled_for > now()
+  and (w.timeout_at <= now()
+       or (w.kind = 'event' and exists (
+               select from flowly.events e
+               where e.run_id = r.id and e.name = w.target and e.consumed_by is null
+                 and (w.timeout_at is null or e.sent_at <= w.timeout_at)))
+       or (w.kind = 'run' and not exists (
+               select from flowly.runs t
+               where t.id = w.target and t.status in ('pending', 'running', 'compensating'))))
+order by 1, 2
+"""
+
+
+def lost_wakeups(db: psycopg.Connection[Any]) -> list[tuple[str, str]]:
+    """The parked runs (and their satisfied waits) once the missed wake-ups are applied: a
+    wake-up is lost if any is left."""
+    db.execute("select flowly.wake_missed_waiters()")
+    return [tuple(r) for r in db.execute(LOST_WAKEUPS).fetchall()]

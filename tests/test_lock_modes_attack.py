@@ -22,33 +22,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.support import claim_as, scalar
+from tests.support import claim_as, lost_wakeups, scalar
 
 BUSY = "WF005"
 NOT_FOUND = "WF002"
-
-# parked runs (pending, not due) with a wait that is satisfied: 0022's parked_run_is_due,
-# written out again here so that the check does not trust the engine's own rule
-_LOST = """
-select r.id, w.step from flowly.runs r
-join flowly.waits w on w.run_id = r.id
-where r.status = 'pending' and r.scheduled_for > now()
-  and (w.timeout_at <= now()
-       or (w.kind = 'event' and exists (
-               select from flowly.events e
-               where e.run_id = r.id and e.name = w.target and e.consumed_by is null
-                 and (w.timeout_at is null or e.sent_at <= w.timeout_at)))
-       or (w.kind = 'run' and not exists (
-               select from flowly.runs t
-               where t.id = w.target and t.status in ('pending', 'running', 'compensating'))))
-order by 1, 2
-"""
-
-
-def _lost_wakeups(db: psycopg.Connection[Any]) -> list[tuple[str, str]]:
-    db.execute("select flowly.wake_missed_waiters()")
-    return [tuple(r) for r in db.execute(_LOST).fetchall()]
-
 
 def _state(db: psycopg.Connection[Any], run: str) -> Any:
     return db.execute("select status, scheduled_for <= now(), scheduled_for from flowly.runs"
@@ -197,7 +174,7 @@ class Pair:
         """The invariant, then: end the target if it is still unfinished (a retry made it
         pending again), and check the waiter wakes and gets its outcome."""
         db = self.db
-        lost = _lost_wakeups(db)
+        lost = lost_wakeups(db)
         assert not lost, (f"{self.ending}: parked with a satisfied wait: {lost};"
                           f" p is {_state(db, 'p')}, c is {_state(db, 'c')}")
         if self.ending != "send_event":
@@ -211,7 +188,7 @@ class Pair:
             elif status == "compensating":
                 db.execute("select flowly.finish_compensation('c', %s)",
                            (scalar(db, "select lease_epoch from flowly.runs where id = 'c'"),))
-        assert not _lost_wakeups(db)
+        assert not lost_wakeups(db)
         status, due, _ = _state(db, "p")
         if self.waiter.parked in (None, "no park"):
             # the outcome was recorded (or the target is gone): the run goes on, not parked
@@ -439,7 +416,7 @@ def test_a_completion_does_not_wait_for_another_transaction_s_missed_wake_up(
     assert error is None and took < 1, (
         f"complete_runs of t2 waited {took:.1f}s for another transaction's missed wake-up:"
         f" {getattr(error, 'sqlstate', None)} {str(error).splitlines()[0] if error else ''}")
-    assert not _lost_wakeups(db)
+    assert not lost_wakeups(db)
     assert _state(db, "p")[:2] == ("pending", True)
 
 
@@ -499,7 +476,7 @@ def test_a_finish_during_wake_missed_waiters_is_not_settled_away(
         holder.rollback()
         m.join(10)
     assert scalar(db, "select status from flowly.runs where id = 't2'") == "completed"
-    lost = _lost_wakeups(db)
+    lost = lost_wakeups(db)
     assert not lost, (f"w parked with t2 completed: {_state(db, 'w')}, missed_wakeups"
                       f" {db.execute('select * from flowly.missed_wakeups').fetchall()}")
 
@@ -780,7 +757,7 @@ def test_randomized_waiters_targets_and_events_lose_no_wake_up(
     assert not stress.errors, stress.errors
     assert not stress.slow, f"calls on a worker's path waited for locks: {stress.slow}"
     assert done_waiters == set(waiters), f"never got through: {set(waiters) - done_waiters}"
-    lost = _lost_wakeups(db)
+    lost = lost_wakeups(db)
     assert not lost, f"parked with a satisfied wait: {lost}"
     # end every target still unfinished (retried, or not ended in time), send what is unsent
     for t in targets:
@@ -797,7 +774,7 @@ def test_randomized_waiters_targets_and_events_lose_no_wake_up(
     for w in waiters:
         if any(k == "event" for k, _, _ in waits[w]) and w not in ended:
             db.execute("select flowly.send_event(%s, 'go', '1')", (w,))
-    lost = _lost_wakeups(db)
+    lost = lost_wakeups(db)
     assert not lost, f"parked with a satisfied wait: {lost}"
     stuck = db.execute("select id, scheduled_for from flowly.runs where workflow = 'parent'"
                        " and not (status = 'running' or scheduled_for <= now())"

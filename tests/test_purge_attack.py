@@ -27,7 +27,14 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import claim_as, park_on_run, running_worker, scalar, wait_for
+from tests.support import (
+    LOST_WAKEUPS,
+    claim_as,
+    park_on_run,
+    running_worker,
+    scalar,
+    wait_for,
+)
 
 BUSY = "WF005"
 NOT_FOUND = "WF002"
@@ -41,22 +48,6 @@ CHILD_FAILED = '{"type": "ChildFailed", "message": "a run it waited for failed"}
 # PURGE_LIMIT seconds (a lock wait shows as 55P03 or as a slow call)
 PURGE_LOCK_TIMEOUT = "1s"
 PURGE_LIMIT = 0.5
-
-# parked runs (pending, not due) with a wait that is satisfied (tests/test_lock_modes_attack)
-_LOST = """
-select r.id, w.step from flowly.runs r
-join flowly.waits w on w.run_id = r.id
-where r.status = 'pending' and r.scheduled_for > now()
-  and (w.timeout_at <= now()
-       or (w.kind = 'event' and exists (
-               select from flowly.events e
-               where e.run_id = r.id and e.name = w.target and e.consumed_by is null
-                 and (w.timeout_at is null or e.sent_at <= w.timeout_at)))
-       or (w.kind = 'run' and not exists (
-               select from flowly.runs t
-               where t.id = w.target and t.status in ('pending', 'running', 'compensating'))))
-order by 1, 2
-"""
 
 # A row trigger on runs that re-checks, with a fresh snapshot, at the moment a run is deleted,
 # what purge must keep: a run deleted while unfinished, while a run that is unfinished (or
@@ -306,7 +297,7 @@ def _check(db: psycopg.Connection[Any], what: str = "") -> None:
     assert not orphans, f"{what}: rows whose run is gone: {orphans}"
     gone = _awaited_but_gone(db)
     assert not gone, f"{what}: unfinished runs wait for runs that were purged: {gone}"
-    lost = [tuple(r) for r in db.execute(_LOST).fetchall()]
+    lost = [tuple(r) for r in db.execute(LOST_WAKEUPS).fetchall()]
     assert not lost, f"{what}: parked with a satisfied wait: {lost}"
     view, actual = _count_mismatch(db)
     assert not view, f"{what}: run_counts {view} but the runs are {actual}"
