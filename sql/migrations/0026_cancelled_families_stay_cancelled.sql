@@ -67,8 +67,11 @@ begin
     if v_status not in ('pending', 'running', 'compensating') then
         return v_status;
     end if;
+    -- the time of the cancel, not of its transaction's start: it may have waited for a step
+    -- of the run, which must not seem to finish after its run
     update runs r
-    set status = 'cancelled', finished_at = now(), locked_by = null, locked_until = null,
+    set status = 'cancelled', finished_at = clock_timestamp(), locked_by = null,
+        locked_until = null,
         lease_epoch = r.lease_epoch + 1,
         compensation_ok = case when r.status = 'compensating' then false
                                else r.compensation_ok end
