@@ -175,6 +175,7 @@ class Calls:
             "select * from {s}.checkpoint_transaction(%s, %s, %s, %s::jsonb, %s, %s, %s)")
         self.begin_compensation_transaction = q(
             "select {s}.begin_compensation_transaction(%s, %s)")
+        self.restart_takeovers = q("select {s}.restart_takeovers(%s, %s)")
         self.record_compensation_transaction = q(
             "select {s}.record_compensation_transaction(%s, %s, %s)")
         self.wait_for_event = q("select * from {s}.wait_for_event(%s, %s, %s, %s, %s, %s)")

@@ -200,6 +200,12 @@ select not exists (select from schema_migrations where version = 28) as apply_mi
     insert into schema_migrations (version, name) values (28, '0028_purge_keeps_families_whole');
 \endif
 
+select not exists (select from schema_migrations where version = 29) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0029_transactional_checkpoints_are_progress.sql
+    insert into schema_migrations (version, name) values (29, '0029_transactional_checkpoints_are_progress');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -269,10 +269,15 @@ def _open_step(dsn: str, run_id: str, epoch: int, isolation: str | None = None
 
 
 def _checkpoint_step(conn: psycopg.Connection[Any], run_id: str, epoch: int) -> None:
+    """The worker's end of a transactional step: checkpoint, commit, and once committed, when
+    the run had been taken over, restart its takeover count (0029)."""
     with translated_errors():
-        conn.execute("select * from flowly.checkpoint_transaction(%s, %s, 'move', '999'::jsonb,"
-                     " now(), false, 1)", (run_id, epoch))
+        row = conn.execute("select taken_over from flowly.checkpoint_transaction(%s, %s,"
+                           " 'move', '999'::jsonb, now(), false, 1)", (run_id, epoch)).fetchone()
     conn.commit()
+    if row is not None and row[0]:
+        conn.execute("select flowly.restart_takeovers(%s, %s)", (run_id, epoch))
+        conn.commit()
 
 
 def test_no_worker_write_waits_on_an_open_transactional_step(
@@ -445,19 +450,14 @@ def test_a_step_whose_snapshot_predates_a_sleep_and_a_takeover_cannot_commit(
     assert logged(db, "r", "move") == checkpointed(db, "r", "move") == 0
 
 
-# A known defect, left open (see the closing note of stop 18): resetting the count inside the
-# step's transaction livelocks a REPEATABLE READ step (every heartbeat's update of the run makes
-# its update fail with 40001), so it needs a call after the commit.
-# DEFECT: checkpoint_transaction does not reset runs.takeovers, although README says "a new
-# checkpoint starts the count again" (checkpoint/checkpoint_steps do reset it). Sequence, with
-# max_takeovers = 1: start r; claim r as worker w (not registered, so not alive); let its lease
-# expire; claim r again (takeovers = 1); begin_transaction_step + checkpoint_transaction +
-# commit (progress); let the lease expire; dead_letter_stalled_runs() dead-letters r as
-# PoisonRun, while a run that made the same progress through an ordinary checkpoint is left
-# to the next worker. A run that progresses through transactional steps and whose workers die
-# is poisoned after max_takeovers deaths, each of which made progress.
-@pytest.mark.xfail(strict=True, reason="known defect: a transactional checkpoint does not"
-                   " restart the takeover count")
+# Before 0029: checkpoint_transaction did not reset runs.takeovers, although the README says
+# "a new checkpoint starts the count again" (checkpoint/checkpoint_steps do reset it).
+# Sequence, with max_takeovers = 1: start r; claim r as worker w (not registered, so not
+# alive); let its lease expire; claim r again (takeovers = 1); begin_transaction_step +
+# checkpoint_transaction + commit (progress); let the lease expire; dead_letter_stalled_runs()
+# dead-lettered r as PoisonRun, while a run that made the same progress through an ordinary
+# checkpoint was left to the next worker. (Resetting the count inside the step's transaction
+# livelocks a REPEATABLE READ step, so the worker restarts it after the commit.)
 def test_a_transactional_checkpoint_is_progress_for_the_poison_count(
     dsn: str, accounts: psycopg.Connection[Any]
 ) -> None:
@@ -483,6 +483,27 @@ def test_a_transactional_checkpoint_is_progress_for_the_poison_count(
     assert status["tx"] == "running", (
         "a run whose transactional step checkpointed since its last takeover was dead-lettered"
         f" as a poison run: {scalar(db, 'select error from flowly.runs where id = %s', 'tx')}")
+
+
+def test_a_worker_restarts_the_takeover_count_after_a_transactional_checkpoint(
+    dsn: str, client: flowly.Client, accounts: psycopg.Connection[Any]
+) -> None:
+    """The same through a real worker: it takes over a transfer from a worker that died, and
+    once the transactional debit has committed, the count is 0 again, long before the next
+    ordinary step (a 4 s pause) could restart it."""
+    db = accounts
+    run_id = client.start("transfer", {"from": "a", "to": "b", "amount": 1, "pause": 4})
+    claim_as(db, "transfer")  # held by worker w, which is not alive
+    db.execute("update flowly.runs set locked_until = now() - interval '1 s' where id = %s",
+               (run_id,))
+    with worker_process(dsn, "--lease", "2", *APP):
+        wait_for(lambda: checkpointed(db, run_id, "debit"), what="the debit")
+        assert scalar(db, "select started_at is not null from flowly.runs where id = %s", run_id)
+        wait_for(lambda: scalar(db, "select takeovers from flowly.runs where id = %s",
+                                run_id) == 0, timeout=2.5,
+                 what="the takeover count restarted after the transactional checkpoint")
+        assert checkpointed(db, run_id, "pause") == 0, "the pause ended first: no proof"
+        assert client.wait(run_id, timeout=30).status == "completed"
 
 
 def test_a_cancel_waits_for_the_open_step_and_the_step_never_commits_after_it(

@@ -18,6 +18,7 @@ one run's slow or failing SQL would hold up or roll back every other run in the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ from ..user_tasks import user_code
 from ..workflow import is_async
 from . import session
 from .step_threads import StepThreads
+
+logger = logging.getLogger(__name__)
 
 # fresh transactions a step gets after its SQL lost a serialization race or a deadlock
 SERIALIZATION_TRIES = 5
@@ -104,9 +107,23 @@ class Transactions:
             return self._calls.checkpoint_transaction, (
                 run_id, epoch, name, payload, started_at, compensable, position)
 
-        row = await self._run(self._calls.begin_transaction_step, (run_id, epoch), fn, args,
-                              isolation, finish)
-        return row[0], row[1]
+        output, seq, taken_over = await self._run(
+            self._calls.begin_transaction_step, (run_id, epoch), fn, args, isolation, finish)
+        if taken_over:
+            await self._restart_takeovers(run_id, epoch)
+        return output, seq
+
+    async def _restart_takeovers(self, run_id: str, epoch: int) -> None:
+        """A committed checkpoint is progress: restart the run's takeover count, which the
+        step's own transaction cannot do (0029). If this fails, the count stays until the next
+        checkpoint restarts it."""
+        try:
+            async with self._pool.connection() as conn:
+                with Cutoff(conn) as cutoff:
+                    cutoff.arm(self._call_timeout)
+                    await conn.execute(self._calls.restart_takeovers, (run_id, epoch))
+        except psycopg.Error as exc:
+            logger.warning("run %s: could not restart its takeover count: %s", run_id, exc)
 
     async def compensate(self, run_id: str, epoch: int, name: str, fn: Callable[..., Any],
                          output: Any) -> None:
