@@ -162,9 +162,17 @@ class _RunStore:
         isolation: str | None, started_at: datetime, compensable: bool, position: int,
         max_output_bytes: int,
     ) -> tuple[Any, int]:
-        return await self._worker._transactions.step(
+        output, seq, taken_over = await self._worker._transactions.step(
             self._held.run_id, self._held.epoch, name, fn, args, isolation, started_at,
             compensable, position, max_output_bytes)
+        if taken_over:  # a committed checkpoint is progress: the takeover count restarts
+            try:
+                await self._worker._call(self._worker._calls.restart_takeovers,
+                                         (self._held.run_id, self._held.epoch))
+            except (psycopg.Error, OSError) as exc:  # the next checkpoint restarts it
+                logger.warning("run %s: could not restart its takeover count: %s",
+                               self._held.run_id, exc)
+        return output, seq
 
     async def wait_for_event(
         self, step: str, event: str, timeout: float | None, position: int

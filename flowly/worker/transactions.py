@@ -18,7 +18,6 @@ one run's slow or failing SQL would hold up or roll back every other run in the 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,8 +36,6 @@ from ..user_tasks import user_code
 from ..workflow import is_async
 from . import session
 from .step_threads import StepThreads
-
-logger = logging.getLogger(__name__)
 
 # fresh transactions a step gets after its SQL lost a serialization race or a deadlock
 SERIALIZATION_TRIES = 5
@@ -100,8 +97,10 @@ class Transactions:
         self, run_id: str, epoch: int, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
         isolation: str | None, started_at: datetime, compensable: bool, position: int,
         max_output_bytes: int,
-    ) -> tuple[Any, int]:
-        """Execute a transactional step; returns its stored output and sequence number."""
+    ) -> tuple[Any, int, bool]:
+        """Execute a transactional step; returns its stored output and sequence number, and
+        whether the run's takeover count is to be restarted now that the step committed
+        (which its own transaction cannot do: 0029)."""
         def finish(result: Any) -> tuple[sql.Composed, tuple[Any, ...]]:
             payload = serialise_output(result, f"step {name!r}", max_output_bytes)
             return self._calls.checkpoint_transaction, (
@@ -109,21 +108,7 @@ class Transactions:
 
         output, seq, taken_over = await self._run(
             self._calls.begin_transaction_step, (run_id, epoch), fn, args, isolation, finish)
-        if taken_over:
-            await self._restart_takeovers(run_id, epoch)
-        return output, seq
-
-    async def _restart_takeovers(self, run_id: str, epoch: int) -> None:
-        """A committed checkpoint is progress: restart the run's takeover count, which the
-        step's own transaction cannot do (0029). If this fails, the count stays until the next
-        checkpoint restarts it."""
-        try:
-            async with self._pool.connection() as conn:
-                with Cutoff(conn) as cutoff:
-                    cutoff.arm(self._call_timeout)
-                    await conn.execute(self._calls.restart_takeovers, (run_id, epoch))
-        except psycopg.Error as exc:
-            logger.warning("run %s: could not restart its takeover count: %s", run_id, exc)
+        return output, seq, bool(taken_over)
 
     async def compensate(self, run_id: str, epoch: int, name: str, fn: Callable[..., Any],
                          output: Any) -> None:
