@@ -276,7 +276,8 @@ def freezable_proxy(dsn: str) -> Iterator[FreezableProxy]:
 
 
 def in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    """Call ``fn`` on a daemon thread; the dict gets its 'result' or 'error' and 'took'."""
+    """Call ``fn`` on a daemon thread; the dict gets its 'result' or 'error' (and the
+    'sqlstate' of a database error), and 'took'."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -285,11 +286,29 @@ def in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dic
             outcome["result"] = fn(*args, **kwargs)
         except BaseException as exc:  # reported to the test
             outcome["error"] = exc
+            if isinstance(exc, psycopg.Error):
+                outcome["sqlstate"] = exc.sqlstate
         outcome["took"] = time.monotonic() - started
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome
+
+
+def sqlstate_of(fn: Any, *args: Any) -> str | None:
+    """The SQLSTATE of the database error ``fn(*args)`` raises; None if it raises none."""
+    try:
+        fn(*args)
+    except psycopg.Error as exc:
+        return exc.sqlstate
+    return None
+
+
+def waiting_on_lock(db: psycopg.Connection[Any], query_like: str) -> int:
+    """How many backends of this database whose query is like ``query_like`` wait on a lock."""
+    return int(scalar(db, "select count(*) from pg_stat_activity where datname ="
+                          " current_database() and wait_event_type = 'Lock'"
+                          " and query like %s", query_like))
 
 
 def client_port_of(db: psycopg.Connection[Any], query_like: str, dbname: str) -> int | None:

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.support import claim_as, in_thread, scalar, wait_for
+from tests.support import claim_as, in_thread, scalar, sqlstate_of, wait_for, waiting_on_lock
 
 LOST, NOT_FOUND, BUSY = "WF001", "WF002", "WF005"
 UNFINISHED = ("pending", "running", "compensating")
@@ -71,20 +71,10 @@ def _start(db: psycopg.Connection[Any], run: str, workflow: str,
                   workflow, run, parent[0], parent[1], f"start:{run}")
 
 
-def _sqlstate(fn: Any, *args: Any) -> str | None:
-    try:
-        fn(*args)
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
 def _wait_blocked(db: psycopg.Connection[Any], like: str, count: int = 1) -> None:
     """Until ``count`` backends of this database whose query is like ``like`` wait on a lock."""
-    wait_for(lambda: scalar(
-        db, "select count(*) from pg_stat_activity where datname = current_database()"
-            " and wait_event_type = 'Lock' and query like %s", like) >= count,
-        timeout=10, what=f"{count} backend(s) running {like!r} to wait on a lock")
+    wait_for(lambda: waiting_on_lock(db, like) >= count,
+             timeout=10, what=f"{count} backend(s) running {like!r} to wait on a lock")
 
 
 def _cancel_in_thread(dsn: str, run: str, *settings: str) -> tuple[threading.Thread,
@@ -162,7 +152,7 @@ def test_cancel_cancels_every_unfinished_descendant_and_nothing_else(
     # a finished run answers its status, unchanged; an unknown one WF002
     assert scalar(db, "select flowly.cancel('p')") == "cancelled"
     assert scalar(db, "select flowly.cancel('c_dl')") == "dead_letter"
-    assert _sqlstate(db.execute, "select flowly.cancel('nope')") == NOT_FOUND
+    assert sqlstate_of(db.execute, "select flowly.cancel('nope')") == NOT_FOUND
 
 
 def test_a_deep_chain_and_a_wide_family_are_cancelled_in_a_few_seconds(
@@ -218,11 +208,11 @@ def test_a_child_started_after_cancel_locked_the_parent_is_refused_at_once_then_
         worker.execute("set lock_timeout = '2s'")
         assert scalar(operator, "select flowly.cancel('p')") == "cancelled"  # still open
         started = time.monotonic()
-        state = _sqlstate(_start, worker, "c1", "wf_c", ("p", p))
+        state = sqlstate_of(_start, worker, "c1", "wf_c", ("p", p))
         took = time.monotonic() - started
         assert state == BUSY and took < 1, (state, took)
         operator.commit()
-        assert _sqlstate(_start, worker, "c1", "wf_c", ("p", p)) == LOST
+        assert sqlstate_of(_start, worker, "c1", "wf_c", ("p", p)) == LOST
     assert scalar(db, "select count(*) from flowly.runs where parent_run_id = 'p'") == 0
 
 
@@ -298,7 +288,7 @@ def test_a_family_write_in_flight_delays_cancel_then_nothing_is_left_unfinished(
     assert _unfinished_descendants(db, "p") == []
     assert _status(db, "c") == child_ends
     # the worker's token is fenced: its next checkpoint reports the lease lost
-    state = _sqlstate(db.execute, "select flowly.checkpoint('c', %s, 'next', '1')", (epoch,))
+    state = sqlstate_of(db.execute, "select flowly.checkpoint('c', %s, 'next', '1')", (epoch,))
     assert state == LOST
 
 

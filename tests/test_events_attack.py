@@ -22,7 +22,15 @@ import pytest
 
 import flowly
 from flowly.db import translated_errors
-from tests.support import claim_as, in_thread, running_worker, scalar, wait_for, worker_process
+from tests.support import (
+    claim_as,
+    in_thread,
+    running_worker,
+    scalar,
+    sqlstate_of,
+    wait_for,
+    worker_process,
+)
 
 
 @flowly.workflow("ea_pair", max_attempts=1)
@@ -78,11 +86,7 @@ def _parked(db: psycopg.Connection[Any], run_id: str) -> bool:
 
 
 def _sqlstate(conn: psycopg.Connection[Any], query: str, *params: Any) -> str | None:
-    try:
-        conn.execute(query, params)
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
+    return sqlstate_of(conn.execute, query, params)
 
 
 def _events(db: psycopg.Connection[Any], run_id: str) -> list[tuple[Any, ...]]:

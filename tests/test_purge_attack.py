@@ -30,10 +30,13 @@ import flowly
 from tests.support import (
     LOST_WAKEUPS,
     claim_as,
+    in_thread,
     park_on_run,
     running_worker,
     scalar,
+    sqlstate_of,
     wait_for,
+    waiting_on_lock,
 )
 
 BUSY = "WF005"
@@ -199,46 +202,13 @@ def _purge_all(conn: psycopg.Connection[Any], older: str = "0 seconds",
     raise AssertionError("purge never returned 0")
 
 
-def _sqlstate(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
-def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        started = time.monotonic()
-        try:
-            out["result"] = fn()
-        except psycopg.Error as exc:
-            out["sqlstate"] = exc.sqlstate
-            out["error"] = exc
-        except BaseException as exc:  # reported to the test
-            out["error"] = exc
-        out["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
 def _on_new_conn(dsn: str, query: str) -> Callable[[], Any]:
-    """A call of ``query`` on a connection of its own (for _in_thread)."""
+    """A call of ``query`` on a connection of its own (for in_thread)."""
     def call() -> Any:
         with psycopg.connect(dsn, autocommit=True) as conn:
             cur = conn.execute(query)
             return cur.fetchall() if cur.description else None
     return call
-
-
-def _waiting_on_lock(db: psycopg.Connection[Any], query_like: str) -> bool:
-    return bool(scalar(db, "select count(*) from pg_stat_activity where datname ="
-                           " current_database() and wait_event_type = 'Lock'"
-                           " and query like %s", query_like))
 
 
 def _orphans(db: psycopg.Connection[Any]) -> dict[str, int]:
@@ -351,10 +321,10 @@ def test_purge_and_a_wait_for_a_run_that_just_finished(
             assert _purge(purger, batch=batch) == min(batch, 4)
             assert _status(db, "t") == ended  # not committed yet
             started = time.monotonic()
-            assert _sqlstate(lambda: db.execute(ask, (w_epoch,))) == BUSY
+            assert sqlstate_of(lambda: db.execute(ask, (w_epoch,))) == BUSY
             assert time.monotonic() - started < PURGE_LIMIT, "wait_for_run waited for purge"
             purger.commit()
-        assert _sqlstate(lambda: db.execute(ask, (w_epoch,))) == NOT_FOUND
+        assert sqlstate_of(lambda: db.execute(ask, (w_epoch,))) == NOT_FOUND
         assert _status(db, "w") == "running"
         _purge_all(db, batch=batch)
         _check(db, order)
@@ -422,7 +392,7 @@ def test_a_failure_recorded_while_purge_scans_is_not_purged_under_the_recording_
         _dead_letter(db, t)
         with psycopg.connect(dsn, autocommit=True) as purger:
             pid = purger.info.backend_pid
-            thread, out = _in_thread(partial(scalar, purger,
+            thread, out = in_thread(partial(scalar, purger,
                                              "select flowly.purge('0 seconds')"))
             # purge's statement is running (its snapshot taken) before w's worker records
             wait_for(lambda p=pid: scalar(db, "select state = 'active' and query like"
@@ -450,7 +420,7 @@ def test_a_failure_recorded_while_purge_scans_is_not_purged_under_the_recording_
         _dead_letter(db, w, CHILD_FAILED)
         db.execute("select flowly.retry_dead_letter(%s)", (w,))
         w_epoch = _claim(db, w)
-        state = _sqlstate(lambda: db.execute("select flowly.wait_for_run(%s, %s, %s, %s)",
+        state = sqlstate_of(lambda: db.execute("select flowly.wait_for_run(%s, %s, %s, %s)",
                                              (w, w_epoch, f"run:{t}", t)))
         # DEFECT: purge('0 seconds') starts (snapshot S) and scans older candidates; w's
         # worker: wait_for_run(w, 'run:t', 't') records t's failure (dead_letter) and commits;
@@ -528,8 +498,8 @@ def test_purge_and_an_event_sent_to_a_run_that_just_finished(
         _complete(db, "r")
         with psycopg.connect(dsn) as purger:
             assert _purge(purger) == 1
-            thread, out = _in_thread(_on_new_conn(dsn, send))
-            wait_for(lambda: _waiting_on_lock(db, "%send_event%"), 5, what="send_event to wait")
+            thread, out = in_thread(_on_new_conn(dsn, send))
+            wait_for(lambda: waiting_on_lock(db, "%send_event%"), 5, what="send_event to wait")
             purger.commit()
         thread.join(10)
         assert out.get("sqlstate") == NOT_FOUND, out
@@ -547,8 +517,8 @@ def test_purge_and_an_event_sent_to_a_run_that_just_finished(
     else:
         with psycopg.connect(dsn) as worker:
             worker.execute("select flowly.complete('r', %s, '1')", (epoch,))
-            thread, out = _in_thread(_on_new_conn(dsn, send))
-            wait_for(lambda: _waiting_on_lock(db, "%send_event%"), 5, what="send_event to wait")
+            thread, out = in_thread(_on_new_conn(dsn, send))
+            wait_for(lambda: waiting_on_lock(db, "%send_event%"), 5, what="send_event to wait")
             assert _purge(db) == 0  # r's completion is not committed
             worker.commit()
         thread.join(10)
@@ -584,8 +554,8 @@ def test_purge_and_a_retry_of_the_dead_letter_it_deletes(
     if order == "purge first":
         with psycopg.connect(dsn) as purger:
             assert _purge(purger, batch=batch) == min(batch, 4)
-            thread, out = _in_thread(_on_new_conn(dsn, retry))
-            wait_for(lambda: _waiting_on_lock(db, "%retry_dead_letter%"), 5,
+            thread, out = in_thread(_on_new_conn(dsn, retry))
+            wait_for(lambda: waiting_on_lock(db, "%retry_dead_letter%"), 5,
                      what="the retry to wait")
             purger.commit()
         thread.join(10)
@@ -635,8 +605,8 @@ def test_purge_and_a_retry_of_a_parent_that_failed_with_its_child(
         with psycopg.connect(dsn) as purger:
             assert _purge(purger, batch=batch) == 1  # p: c is kept for it
             assert _audit(purger) == []
-            thread, out = _in_thread(_on_new_conn(dsn, retry))
-            wait_for(lambda: _waiting_on_lock(db, "%retry_dead_letter%"), 5,
+            thread, out = in_thread(_on_new_conn(dsn, retry))
+            wait_for(lambda: waiting_on_lock(db, "%retry_dead_letter%"), 5,
                      what="the retry to wait")
             purger.commit()
         thread.join(10)
@@ -682,7 +652,7 @@ def _cancelled_family_with_a_dead_lettered_child(db: psycopg.Connection[Any]) ->
     _dead_letter(db, "c")
     assert scalar(db, "select flowly.cancel('g')") == "cancelled"
     assert _status(db, "c") == "dead_letter"
-    assert _sqlstate(lambda: db.execute("select flowly.retry_dead_letter('c')")) == REFUSED
+    assert sqlstate_of(lambda: db.execute("select flowly.retry_dead_letter('c')")) == REFUSED
 
 
 @pytest.mark.parametrize("how", ["cancelled only", "default statuses, c awaited",
@@ -702,7 +672,7 @@ def test_purging_a_cancelled_parent_does_not_let_its_dead_lettered_child_run_aga
     # since 0028 purge keeps g while c is a dead letter, and the retry stays refused
     if how == "cancelled only":
         assert _purge_all(db, statuses=["cancelled"]) == 0
-        outcome = _sqlstate(lambda: db.execute(retry))
+        outcome = sqlstate_of(lambda: db.execute(retry))
     elif how == "default statuses, c awaited":
         # w waited for c, was woken by its end, and has not been claimed yet
         _start(db, "w")
@@ -711,11 +681,11 @@ def test_purging_a_cancelled_parent_does_not_let_its_dead_lettered_child_run_aga
                       w_epoch) == "finished"
         assert _purge_all(db) == 0  # c is kept: running w recorded its failure; g for c
         assert _status(db, "c") == "dead_letter"
-        outcome = _sqlstate(lambda: db.execute(retry))
+        outcome = sqlstate_of(lambda: db.execute(retry))
     else:
         with psycopg.connect(dsn) as purger:
             assert _purge(purger, statuses=["cancelled"]) == 0
-            thread, out = _in_thread(_on_new_conn(dsn, retry))
+            thread, out = in_thread(_on_new_conn(dsn, retry))
             thread.join(10)
             purger.commit()
         outcome = out.get("sqlstate")
@@ -945,7 +915,7 @@ def test_purge_never_waits_for_locks_that_workers_and_operators_hold(
         assert _status(db, "stall") == "running"  # the sweep's dead letter is not committed
         # the loop `flowly purge` and client.purge make, until a call returns 0
         with flowly.Client(dsn) as client:
-            thread, out = _in_thread(partial(client.purge, 0, batch=batch))
+            thread, out = in_thread(partial(client.purge, 0, batch=batch))
             thread.join(10)
         assert not thread.is_alive(), "client.purge waits for a lock"
         assert "error" not in out, out
