@@ -38,11 +38,17 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98], "max": max(values)}
 
 
-def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float], list[float]]:
+# the step function is async, as pgqueuer's job is; SYNC_STEP's is a plain function, which
+# runs on a step thread
+ASYNC_STEP, SYNC_STEP = "bench.first_async_step_time", "bench.first_step_time"
+
+
+def flowly_latency(dsn: str, runs: int, workflow: str = ASYNC_STEP
+                   ) -> tuple[list[float], list[float], list[float]]:
     """(enqueue -> first step ms, wait return delay ms, the ``start`` call alone ms) of
-    ``runs`` runs one at a time."""
+    ``runs`` runs of ``workflow`` one at a time."""
     child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow",
-                   "bench.first_step_time", "--concurrency", "8", "--poll-interval", "5"])
+                   workflow, "--concurrency", "8", "--poll-interval", "5"])
     first, delay, enqueue = [], [], []
     try:
         child.wait_ready()
@@ -51,7 +57,7 @@ def flowly_latency(dsn: str, runs: int) -> tuple[list[float], list[float], list[
             time.sleep(1.0)  # the worker is up, listening and idle
             for _ in range(runs):
                 before = time.time()
-                run_id = client.start("bench.first_step_time")
+                run_id = client.start(workflow)
                 enqueue.append((time.time() - before) * 1000)
                 run = client.wait(run_id, timeout=30)
                 returned = time.time()
@@ -132,7 +138,9 @@ def main() -> None:
     dsn = fresh_database(server, "flowly_bench")
     flowly.install_dsn(dsn)
     first, delay, enqueue = flowly_latency(dsn, args.runs)
+    sync_first = flowly_latency(dsn, args.runs, SYNC_STEP)[0]
     rows = {"flowly enqueue -> first step": quantiles(first),
+            "flowly the same, a sync step": quantiles(sync_first),
             "flowly start() call alone": quantiles(enqueue),
             "flowly Client.wait return delay": quantiles(delay)}
     theirs = pgqueuer_latency(server, args.runs)

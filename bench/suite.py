@@ -220,6 +220,10 @@ def main() -> None:
                             f"pgqueuer enqueue -> start {q3[p]:.1f}" if q3 else "", r,
                             "<= 0.50" if p == "p50" and q3 else "",
                             (r <= 0.5) if p == "p50" and r is not None else None))
+        sync_first = latency.quantiles(
+            latency.flowly_latency(dsn, size["latency_runs"], latency.SYNC_STEP)[0])
+        rows.append(Row("the same, a sync step function p50 (ms)", f"{sync_first['p50']:.1f}",
+                        "the async one above", sync_first["p50"] / q1["p50"]))
         # the floor under both: the enqueue call's own round trip is part of each figure
         ours_enqueue = latency.quantiles(enqueue)["p50"]
         theirs_enqueue = latency.quantiles(theirs[1])["p50"] if theirs else None

@@ -54,3 +54,13 @@ async def first_step_time(ctx: flowly.Context, inp: Any) -> float:
     """The first step's output is the wall-clock time it ran (latency.py reads it)."""
     return float(await ctx.step("t", _now))
 
+
+async def _now_async() -> float:
+    return time.time()
+
+
+@flowly.workflow("bench.first_async_step_time")
+async def first_async_step_time(ctx: flowly.Context, inp: Any) -> float:
+    """The same with an async step function, as pgqueuer's job in latency.py is."""
+    return float(await ctx.step("t", _now_async))
+

@@ -138,7 +138,6 @@ class Calls:
         def q(text: str) -> sql.Composed:
             return sql.SQL(text).format(s=sql.Identifier(schema))
 
-        self.wakeup_channel = q("select {s}.wakeup_channel()")
         self.finished_channel = q("select {s}.finished_channel()")
         self.start = q(
             "select {s}.start(workflow => %(workflow)s, input => %(input)s::jsonb,"
@@ -156,7 +155,8 @@ class Calls:
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
         self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
         self.unregister_worker = q("select {s}.unregister_worker(%s)")
-        self.claim = q("select * from {s}.claim(%s, %s, %s, %s, %s)")
+        self.claim_and_offer = q("select * from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s)")
+        self.listen_channels = q("select {s}.wakeup_channel(), {s}.handoff_channel(%s)")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
         self.fold_run_counts = q("select {s}.fold_run_counts()")

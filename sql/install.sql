@@ -206,6 +206,18 @@ select not exists (select from schema_migrations where version = 29) as apply_mi
     insert into schema_migrations (version, name) values (29, '0029_transactional_checkpoints_are_progress');
 \endif
 
+select not exists (select from schema_migrations where version = 30) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0030_hand_off_to_idle_workers.sql
+    insert into schema_migrations (version, name) values (30, '0030_hand_off_to_idle_workers');
+\endif
+
+select not exists (select from schema_migrations where version = 31) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0031_helpers_planned_once.sql
+    insert into schema_migrations (version, name) values (31, '0031_helpers_planned_once');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

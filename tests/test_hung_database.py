@@ -341,9 +341,9 @@ def test_a_claim_committed_while_the_database_hangs_is_served_after_the_thaw(
     dbname = str(conninfo_to_dict(dsn)["dbname"])
     _slow_write(db, "runs", "tg_op = 'UPDATE' and old.status = 'pending'"
                             " and new.status = 'running'", 1.5)
+    # started before the worker, so a claim takes it (an idle worker would be handed it)
+    run_id = client.start("three_steps", {"step_seconds": 0})
     with freezable_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=2):
-        wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), what="registered")
-        run_id = client.start("three_steps", {"step_seconds": 0})
         wait_for(lambda: _sleeping_in_trigger(db, dbname), what="the claim in flight")
         proxy.freeze()
         time.sleep(17)

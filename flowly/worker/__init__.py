@@ -55,6 +55,7 @@ from ..schema import check_current_dsn, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
+from .handoff import ClaimedRun, parse_handoff
 from .heartbeat import Heartbeat
 from .step_threads import StepThreads
 from .transactions import Transactions
@@ -78,6 +79,8 @@ _PURGE_BATCH = 1000
 _SCHEDULE_TICK_MAX = 15.0
 # how long past the drain timeout a stopping worker's orderly shutdown may take in all
 _SHUTDOWN_GRACE = 5.0
+# the longest first lease of a run handed to this worker (handoff_lease in SQL)
+_HANDOFF_LEASE = 5.0
 # rows and bytes of replay data one read fetches
 _REPLAY_PAGE_ROWS = 500
 
@@ -216,7 +219,8 @@ class Worker:
     def __init__(
         self,
         dsn: str,
-        workflows: Iterable[str | Workflow | WorkflowFn] | None = None,
+        workflows: Iterable[str | Workflow | WorkflowFn] | str | Workflow | WorkflowFn
+        | None = None,
         *,
         schema: str = "flowly",
         queues: Iterable[str] = ("default",),
@@ -261,6 +265,11 @@ class Worker:
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
+        # whether the listener is up: only then may the worker offer an idle slot, since a
+        # run handed to it arrives by NOTIFY
+        self._listening = False
+        # calls made for runs handed to this worker (confirming or releasing them)
+        self._handoff_calls: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_threads = StepThreads(concurrency)
@@ -477,29 +486,81 @@ class Worker:
     async def _claim(self, limit: int) -> int:
         sent = time.monotonic()
         rows = await self._call(
-            self._calls.claim,
+            self._calls.claim_and_offer,
             (self.worker_id, list(self.workflows), self.queues, limit,
-             timedelta(seconds=self.lease)),
+             timedelta(seconds=self.lease), self._listening and not self._stopping.is_set()),
         )
-        for run_id, workflow, status, input, attempt, generation, epoch, has_history in rows:
-            stale = self._held.get(run_id)
-            if stale is not None and stale.task is not None:
-                # our own run, whose lease expired while its heartbeats failed (a database
-                # outage longer than the lease): the old execution is fenced off, stop it
-                logger.warning("run %s taken over from ourselves: cancelling the old execution",
-                               run_id)
-                stale.task.cancel()
-            held = _Held(run_id, epoch, lease_until=sent + self.lease)
-            self._held[run_id] = held
-            held.task = asyncio.create_task(
-                self._execute(held, self.workflows[workflow], status, input, attempt, generation,
-                              has_history),
-                name=f"flowly-run-{run_id}",
-            )
-            # a callback, not a finally in _execute: it runs even if the task is cancelled
-            # before it starts
-            held.task.add_done_callback(partial(self._forget, held))
+        for row in rows:
+            self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
         return len(rows)
+
+    def _begin(self, run: ClaimedRun, lease_until: float) -> _Held:
+        """Start executing a run just claimed (or handed to us) under its new epoch."""
+        stale = self._held.get(run.run_id)
+        if stale is not None and stale.task is not None:
+            # our own run, whose lease expired while its heartbeats failed (a database
+            # outage longer than the lease): the old execution is fenced off, stop it
+            logger.warning("run %s taken over from ourselves: cancelling the old execution",
+                           run.run_id)
+            stale.task.cancel()
+        held = _Held(run.run_id, run.epoch, lease_until=lease_until)
+        self._held[run.run_id] = held
+        held.task = asyncio.create_task(
+            self._execute(held, self.workflows[run.workflow], run.status, run.input,
+                          run.attempt, run.generation, run.has_history),
+            name=f"flowly-run-{run.run_id}",
+        )
+        # a callback, not a finally in _execute: it runs even if the task is cancelled
+        # before it starts
+        held.task.add_done_callback(partial(self._forget, held))
+        return held
+
+    def _take_handoff(self, payload: str) -> None:
+        """Begin a run that start handed to this worker (see handoff.py); give it back at
+        once when it cannot run here now (full, stopping, or a workflow not served)."""
+        run = parse_handoff(payload)
+        current = None if run is None else self._held.get(run.run_id)
+        if run is None or (current is not None and current.epoch >= run.epoch):
+            pass  # not a run, or a late notification of one claimed again since
+        elif (self._stopping.is_set() or len(self._held) >= self.concurrency
+                or run.workflow not in self.workflows):
+            self._handoff_call(self._give_back(run))
+        else:
+            # the server counts the short first lease from the start, before the commit that
+            # sent the run: half of it is known to hold until the heartbeat below answers
+            held = self._begin(
+                run, lease_until=time.monotonic() + min(self.lease, _HANDOFF_LEASE) / 2)
+            # after the run's task, so its first step goes before these calls
+            self._handoff_call(self._extend_handed_lease(held))
+        self._wakeup.set()  # claim again: that offers the next idle slot, if one is free
+
+    def _handoff_call(self, call: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(call)
+        self._handoff_calls.add(task)
+        task.add_done_callback(self._handoff_calls.discard)
+
+    async def _extend_handed_lease(self, held: _Held) -> None:
+        """Extend a handed-off run's short first lease to a whole one: a heartbeat of it."""
+        sent = time.monotonic()
+        try:
+            not_kept = await self._call(self._calls.heartbeat, (
+                self.worker_id, [held.run_id], [held.epoch], timedelta(seconds=self.lease)))
+        except Exception as exc:  # the periodic heartbeat tries again
+            logger.warning("could not extend the lease of run %s handed to us: %s",
+                           held.run_id, exc)
+            return
+        outcomes = {outcome for _, outcome in not_kept}
+        if "lost" in outcomes:
+            self._lost(held)
+        elif not outcomes:
+            _leases_kept([held], sent + self.lease)
+        # else busy: its row was locked (a checkpoint of it under way); the heartbeats go on
+
+    async def _give_back(self, run: ClaimedRun) -> None:
+        try:
+            await self._call(self._calls.release, ([run.run_id], [run.epoch]))
+        except Exception as exc:  # its short lease expires, and any claim takes it
+            logger.warning("could not give back run %s handed to us: %s", run.run_id, exc)
 
     def _forget(self, held: _Held, _task: asyncio.Task[None]) -> None:
         """Drop a finished run from the held set, unless it was claimed again meanwhile."""
@@ -514,12 +575,17 @@ class Worker:
             try:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
-                    await within(max(self.lease, 2.0), self._start_listening(conn))
+                    handoff_channel = await within(max(self.lease, 2.0),
+                                                   self._start_listening(conn))
                     backoff = 0.1
+                    self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
                     while True:
-                        async for _ in conn.notifies(timeout=self.lease):
-                            self._wakeup.set()
+                        async for notification in conn.notifies(timeout=self.lease):
+                            if notification.channel == handoff_channel:
+                                self._take_handoff(notification.payload)
+                            else:
+                                self._wakeup.set()
                         # every lease, the connection must answer (in a couple of seconds
                         # at least, a busy server is no hung one): a hung backend or pooler
                         # acknowledges the bytes, so no TCP timeout would tell it is gone
@@ -527,14 +593,20 @@ class Worker:
             except (psycopg.Error, OSError) as exc:
                 logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
                                exc, self.poll_interval)
+            finally:
+                self._listening = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        channel = (await (await conn.execute(self._calls.wakeup_channel)).fetchone())
-        assert channel is not None
-        await conn.execute(psycopg.sql.SQL("listen {}").format(
-            psycopg.sql.Identifier(channel[0])))
+    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> str:
+        """LISTEN for wake-ups and for runs handed to this worker; the latter's channel."""
+        channels = await (await conn.execute(
+            self._calls.listen_channels, (self.worker_id,))).fetchone()
+        assert channels is not None
+        for channel in channels:
+            await conn.execute(psycopg.sql.SQL("listen {}").format(
+                psycopg.sql.Identifier(channel)))
+        return str(channels[1])
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -1,0 +1,218 @@
+"""Runs handed straight to an idle worker by start (0030_hand_off_to_idle_workers).
+
+A worker whose claim left it a free slot offers one; start takes it in its own transaction,
+writes the run as claimed by that worker and sends it the run by NOTIFY. These tests check
+that it happens, and attack it: a worker that offered and then froze or died, a start that
+holds a slot in an open transaction, a worker that is full when the run arrives, runs that
+must not be handed off (not due, under REPEATABLE READ, too large, queued behind others),
+and notifications that are not what they claim.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import flowly
+from tests.support import running_worker, scalar, wait_for, worker_process
+
+
+def handed_off(db: psycopg.Connection[Any], run_id: str) -> bool:
+    """Whether the run was claimed by the transaction that started it."""
+    return bool(scalar(db, "select started_at = created_at from flowly.runs where id = %s",
+                       run_id))
+
+
+def offered(db: psycopg.Connection[Any], worker: str, at_least: int = 1) -> bool:
+    return int(scalar(db, "select count(*) from flowly.handoff_slots where worker_id = %s",
+                      worker)) >= at_least
+
+
+def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str) -> None:
+    """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would."""
+    db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",
+               (worker, workflow, lease))
+    db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 4, %s,"
+               " true)", (worker, workflow, lease))
+
+
+def test_a_run_started_while_a_worker_waits_idle_is_handed_to_it(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        run_id = client.start("echo", {"value": [1, "two", {"3": None}]})
+        # claimed in the start's own transaction, under a new epoch, by that worker
+        row = db.execute("select lease_epoch, started_at = created_at from flowly.runs"
+                         " where id = %s", (run_id,)).fetchone()
+        assert row == (1, True)
+        run = client.wait(run_id, timeout=10)
+        assert run.status == "completed" and run.output == [1, "two", {"3": None}]
+        # from SQL alone, as psql or a trigger would
+        wait_for(lambda: offered(db, worker.worker_id), what="the slot offered again")
+        sql_run = scalar(db, "select flowly.start('echo', '{\"value\": \"from sql\"}')")
+        assert client.wait(sql_run, timeout=10).output == "from sql"
+        assert handed_off(db, sql_run)
+        # and again
+        wait_for(lambda: offered(db, worker.worker_id), what="the slot offered again")
+        again = client.start("echo", {"value": 3})
+        assert client.wait(again, timeout=10).output == 3 and handed_off(db, again)
+    # a stopped worker withdraws its offer
+    assert not offered(db, worker.worker_id)
+
+
+def test_a_run_handed_to_a_worker_that_died_since_is_claimed_by_another_within_seconds(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    offer_as(db, "ghost", "echo", "1 hour")
+    run_id = client.start("echo", {"value": "survived"})
+    lease = db.execute("select locked_by, locked_until - created_at from flowly.runs"
+                       " where id = %s", (run_id,)).fetchone()
+    assert lease is not None and lease[0] == "ghost"
+    assert lease[1].total_seconds() == 5  # the short first lease, not the worker's hour
+    started = time.monotonic()
+    with running_worker(dsn, workflows=["echo"]):
+        run = client.wait(run_id, timeout=15)
+    assert run.status == "completed" and run.output == "survived"
+    assert time.monotonic() - started < 10
+    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id) == 2
+
+
+def test_a_frozen_worker_that_was_handed_a_run_cannot_write_it_once_another_took_it(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    with worker_process(dsn, "--lease", "30") as frozen:
+        worker_id = wait_for(lambda: scalar(db, "select worker_id from flowly.handoff_slots"),
+                             what="an idle slot offered")
+        frozen.signal(signal.SIGSTOP)
+        run_id = client.start("three_steps", {"step_seconds": 0})
+        assert scalar(db, "select locked_by from flowly.runs where id = %s", run_id) == worker_id
+        with running_worker(dsn, workflows=["three_steps"]):
+            run = client.wait(run_id, timeout=20)
+        assert run.status == "completed"
+        assert {step["pid"] for step in run.output.values()} == {os.getpid()}
+        checkpoints = db.execute("select name, output from flowly.steps where run_id = %s",
+                                 (run_id,)).fetchall()
+        frozen.signal(signal.SIGCONT)  # it reads the hand-off now, and is fenced off
+        time.sleep(1.5)
+        assert "lease lost" in frozen.stop()
+    # nothing the thawed worker did landed
+    assert client.get(run_id).output == run.output
+    assert db.execute("select name, output from flowly.steps where run_id = %s",
+                      (run_id,)).fetchall() == checkpoints
+
+
+def test_a_start_holding_a_slot_in_an_open_transaction_holds_up_nobody(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker, \
+            psycopg.connect(dsn) as open_tx:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        held = scalar(open_tx, "select flowly.start('echo', '{\"value\": \"late\"}')")
+        # the worker's slot is held by that transaction: other runs go the claim's way, and
+        # the worker's claims and heartbeats wait for nothing
+        others = [client.start("echo", {"value": i}) for i in range(5)]
+        for i, run_id in enumerate(others):
+            assert client.wait(run_id, timeout=10).output == i
+        assert scalar(db, "select count(*) from pg_stat_activity where datname ="
+                          " current_database() and wait_event_type = 'Lock'") == 0
+        open_tx.commit()
+        run = client.wait(held, timeout=10)
+        assert run.status == "completed" and run.output == "late" and handed_off(db, held)
+
+
+def test_a_full_worker_gives_a_handed_run_back_and_runs_no_more_than_its_concurrency(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    with running_worker(dsn, workflows=["echo"], concurrency=1, poll_interval=5) as worker, \
+            psycopg.connect(dsn) as open_tx:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        handed = scalar(open_tx, "select flowly.start('echo', '{\"value\": \"handed\"}')")
+        busy = client.start("echo", {"value": "busy", "wait": 1.5})
+        wait_for(lambda: client.get(busy).status == "running", what="the worker busy")
+        open_tx.commit()  # the hand-off reaches a worker with no free slot
+        run = client.wait(handed, timeout=15)
+        assert run.status == "completed" and run.output == "handed"
+        first_done = client.get(busy).finished_at
+        assert first_done is not None
+    # given back (a new epoch), then claimed again (another) once the busy run had
+    # finished: never two at once
+    handed_step = db.execute("select started_at from flowly.steps where run_id = %s",
+                             (handed,)).fetchone()
+    assert handed_step is not None and handed_step[0] >= first_done
+    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", handed) == 3
+
+
+def test_runs_that_must_not_be_handed_off_go_the_claim_way(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    offer_as(db, "ghost", "echo", "1 hour")
+    slot = scalar(db, "select id from flowly.handoff_slots")
+    # not due yet
+    later = client.start("echo", {"value": 1}, delay=60)
+    # under REPEATABLE READ (the slot may have changed since the snapshot): no 40001 either
+    with psycopg.connect(dsn) as rr:
+        rr.execute("set transaction isolation level repeatable read")
+        repeatable = scalar(rr, "select flowly.start('echo', '{\"value\": 2}')")
+    # too large for a NOTIFY payload
+    large = client.start("echo", {"value": "x" * 10_000})
+    # an existing run id: the existing run, and the slot stays offered
+    assert client.start("echo", {"value": 3}, run_id=later) == later
+    for run_id in (later, repeatable, large):
+        assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
+    assert scalar(db, "select id from flowly.handoff_slots") == slot
+    # a run due at the same priority waits already (repeatable, large): claim order holds
+    behind = client.start("echo", {"value": 4})
+    assert scalar(db, "select status from flowly.runs where id = %s", behind) == "pending"
+    # nothing waits at a higher priority: that one goes to the idle worker
+    urgent = client.start("echo", {"value": 5}, priority=9)
+    assert scalar(db, "select locked_by from flowly.runs where id = %s", urgent) == "ghost"
+    assert scalar(db, "select count(*) from flowly.handoff_slots") == 0
+
+
+def test_notifications_that_are_not_hand_offs_do_not_hurt_a_worker(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker:
+        channel = scalar(db, "select flowly.handoff_channel(%s)", worker.worker_id)
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        for payload in ("not json", "[1, 2]", '{"run_id": "x"}',
+                        '{"run_id": "nope", "workflow": "unknown", "input": null, "attempt": 1,'
+                        ' "generation": 1, "lease_epoch": 1}'):
+            db.execute("select pg_notify(%s, %s)", (channel, payload))
+        time.sleep(0.3)
+        run_id = client.start("echo", {"value": "fine"})
+        assert client.wait(run_id, timeout=10).output == "fine"
+    assert "not one" in caplog.text
+
+
+def test_many_concurrent_starts_against_idle_workers_each_run_once(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """Starts racing each other for the slots of two idle workers: every run completes once,
+    whichever way it went."""
+    with running_worker(dsn, workflows=["echo"], concurrency=3, poll_interval=0.2) as a, \
+            running_worker(dsn, workflows=["echo"], concurrency=3, poll_interval=0.2) as b:
+        wait_for(lambda: offered(db, a.worker_id) and offered(db, b.worker_id),
+                 what="both workers idle")
+        ids: list[str] = []
+        lock = threading.Lock()
+
+        def start_some(n: int) -> None:
+            with flowly.Client(dsn) as own:
+                for i in range(n):
+                    run_id = own.start("echo", {"value": i})
+                    with lock:
+                        ids.append(run_id)
+                    time.sleep(0.005)
+
+        threads = [threading.Thread(target=start_some, args=(20,)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for run_id in ids:
+            assert client.wait(run_id, timeout=30).status == "completed"
+    assert len(ids) == 80
+    assert scalar(db, "select count(*) from flowly.runs where id = any(%s) and"
+                      " started_at = created_at", ids) > 0  # some went by hand-off
+    assert scalar(db, "select count(*) from flowly.steps where run_id = any(%s)", ids) == 80
