@@ -91,13 +91,17 @@ def lookup(workflow: str | WorkflowFn) -> tuple[str, Workflow | None]:
     raise TypeError(f"{workflow!r} is not a registered workflow function")
 
 
-def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | None) -> dict[str, Workflow]:
+def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | str | Workflow | WorkflowFn
+            | None) -> dict[str, Workflow]:
     """Turn names, :class:`Workflow` objects or decorated functions into a name map.
 
-    ``None`` means every registered workflow.
+    ``None`` means every registered workflow; one workflow alone (not in a list) means that
+    one, not the letters of its name.
     """
     if workflows is None:
         return dict(_registry)
+    if isinstance(workflows, (str, Workflow)) or callable(workflows):
+        workflows = [workflows]
     by_fn = {wf.fn: wf for wf in _registry.values()}
     resolved: dict[str, Workflow] = {}
     for item in workflows:

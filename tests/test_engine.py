@@ -265,6 +265,19 @@ def test_bad_input_is_named(client: flowly.Client) -> None:
         flowly.Retry(backoff="random")  # type: ignore[arg-type]
     with pytest.raises(flowly.UnknownWorkflow):
         flowly.Worker("postgresql://unused", ["never_registered"])
+    with pytest.raises(flowly.UnknownWorkflow, match="'never_registered' is not"):
+        flowly.Worker("postgresql://unused", "never_registered")
+
+
+def test_a_worker_given_one_workflow_alone_serves_it(dsn: str, client: flowly.Client) -> None:
+    """Not the letters of its name: ``Worker(dsn, "quick")`` is ``Worker(dsn, ["quick"])``."""
+    from tests.workflows import quick
+
+    assert list(flowly.Worker(dsn, quick).workflows) == ["quick"]
+    run_id = client.start("quick", 1)
+    with running_worker(dsn, workflows="quick") as worker:
+        assert list(worker.workflows) == ["quick"]
+        assert client.wait(run_id, timeout=20).status == "completed"
 
 
 @pytest.mark.parametrize("call", [
