@@ -39,7 +39,7 @@ def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str
     db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",
                (worker, workflow, lease))
     db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 4, %s,"
-               " true)", (worker, workflow, lease))
+               " %s)", (worker, workflow, lease, f"{worker}_channel"))
 
 
 def test_a_run_started_while_a_worker_waits_idle_is_handed_to_it(
@@ -174,8 +174,9 @@ def test_notifications_that_are_not_hand_offs_do_not_hurt_a_worker(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
         caplog: pytest.LogCaptureFixture) -> None:
     with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker:
-        channel = scalar(db, "select flowly.handoff_channel(%s)", worker.worker_id)
         wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        channel = scalar(db, "select channel from flowly.handoff_slots where worker_id = %s",
+                         worker.worker_id)
         for payload in ("not json", "[1, 2]", '{"run_id": "x"}',
                         '{"run_id": "nope", "workflow": "unknown", "input": null, "attempt": 1,'
                         ' "generation": 1, "lease_epoch": 1}'):
@@ -216,3 +217,22 @@ def test_many_concurrent_starts_against_idle_workers_each_run_once(
     assert scalar(db, "select count(*) from flowly.runs where id = any(%s) and"
                       " started_at = created_at", ids) > 0  # some went by hand-off
     assert scalar(db, "select count(*) from flowly.steps where run_id = any(%s)", ids) == 80
+
+
+def test_two_workers_sharing_a_worker_id_by_mistake_do_not_both_run_a_handed_run(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A run is sent to the instance that offered the slot, not to every process using the
+    worker id (say, the host name given to two processes on one host)."""
+    with running_worker(dsn, workflows=["three_steps"], worker_id="same", poll_interval=5), \
+            running_worker(dsn, workflows=["three_steps"], worker_id="same", poll_interval=5):
+        wait_for(lambda: offered(db, "same"), what="an idle slot offered")
+        ids = []
+        for _ in range(6):
+            wait_for(lambda: offered(db, "same"), what="an idle slot offered")
+            ids.append(client.start("three_steps", {"step_seconds": 0}))
+            assert handed_off(db, ids[-1])
+        for run_id in ids:
+            assert client.wait(run_id, timeout=20).status == "completed"
+    ran = db.execute("select run_id, count(*) from public.test_effects where run_id = any(%s)"
+                     " group by run_id", (ids,)).fetchall()
+    assert sorted(n for _, n in ran) == [3] * 6  # each step once

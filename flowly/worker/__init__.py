@@ -266,8 +266,9 @@ class Worker:
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
         # whether the listener is up: only then may the worker offer an idle slot, since a
-        # run handed to it arrives by NOTIFY
+        # run handed to it arrives by NOTIFY, on a channel of this instance alone
         self._listening = False
+        self._handoff_channel = f"flowly_handoff_{uuid.uuid4().hex}"
         # calls made for runs handed to this worker (confirming or releasing them)
         self._handoff_calls: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -488,7 +489,9 @@ class Worker:
         rows = await self._call(
             self._calls.claim_and_offer,
             (self.worker_id, list(self.workflows), self.queues, limit,
-             timedelta(seconds=self.lease), self._listening and not self._stopping.is_set()),
+             timedelta(seconds=self.lease),
+             self._handoff_channel if self._listening and not self._stopping.is_set()
+             else None),
         )
         for row in rows:
             self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
@@ -575,14 +578,13 @@ class Worker:
             try:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
-                    handoff_channel = await within(max(self.lease, 2.0),
-                                                   self._start_listening(conn))
+                    await within(max(self.lease, 2.0), self._start_listening(conn))
                     backoff = 0.1
                     self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
                     while True:
                         async for notification in conn.notifies(timeout=self.lease):
-                            if notification.channel == handoff_channel:
+                            if notification.channel == self._handoff_channel:
                                 self._take_handoff(notification.payload)
                             else:
                                 self._wakeup.set()
@@ -598,15 +600,13 @@ class Worker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> str:
-        """LISTEN for wake-ups and for runs handed to this worker; the latter's channel."""
-        channels = await (await conn.execute(
-            self._calls.listen_channels, (self.worker_id,))).fetchone()
-        assert channels is not None
-        for channel in channels:
+    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """LISTEN for wake-ups and for the runs handed to this worker."""
+        wakeup = await (await conn.execute(self._calls.wakeup_channel)).fetchone()
+        assert wakeup is not None
+        for channel in (wakeup[0], self._handoff_channel):
             await conn.execute(psycopg.sql.SQL("listen {}").format(
                 psycopg.sql.Identifier(channel)))
-        return str(channels[1])
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@
 create table handoff_slots (
     id bigint generated always as identity primary key,
     worker_id text not null,
-    -- handoff_channel(worker_id), computed once per offer rather than at every start
+    -- where to send the runs handed off: the worker instance's own channel (not one derived
+    -- from worker_id, which two processes may share by mistake: both would run the run)
     channel text not null,
     workflows text[] not null,
     queues text[] not null,
@@ -31,17 +32,6 @@ create table handoff_slots (
     expires_at timestamptz not null
 );
 create index handoff_slots_worker on handoff_slots (worker_id);
-
--- The channel on which a worker is sent the runs handed to it: one per worker, so a hand-off
--- wakes no other worker.
-create function handoff_channel(p_worker text) returns text
-language plpgsql stable
-set search_path from current
-as $$
-begin
-    return 'flowly_handoff_' || md5(current_schema() || '/' || p_worker);
-end
-$$;
 
 -- The first lease of a handed-off run: the worker's own lease, but no more than 5 s, so a run
 -- handed to a worker that died since it offered its slot is claimable again within seconds.
@@ -54,14 +44,15 @@ begin
 end
 $$;
 
--- claim, then the worker's offer of one idle slot brought up to date: offered when p_offer
--- and the claim left the worker a free slot, withdrawn otherwise. The worker's slots that a
+-- claim, then the worker's offer of one idle slot brought up to date: offered, with the
+-- channel it listens on, when it gives one (p_handoff_channel) and the claim left it a free
+-- slot; withdrawn otherwise. The worker's slots that a
 -- start holds (an open transaction) are skipped, never waited for. An offer that stands is
 -- rewritten only in the second half of its life: a start finds it locked meanwhile (and
 -- goes the claim's way), so it is not locked at every claim.
 create function claim_and_offer(
     p_worker text, p_workflows text[], p_queues text[], p_limit integer, p_lease interval,
-    p_offer boolean
+    p_handoff_channel text
 ) returns table (
     run_id text, workflow text, status text, input jsonb, attempt integer, generation integer,
     lease_epoch bigint, has_history boolean
@@ -75,10 +66,11 @@ declare
 begin
     return query select * from claim(p_worker, p_workflows, p_queues, p_limit, p_lease);
     get diagnostics v_claimed = row_count;
-    if p_offer and v_claimed < p_limit and exists (
+    if p_handoff_channel is not null and v_claimed < p_limit and exists (
             select from handoff_slots s
             where s.worker_id = p_worker and s.expires_at > now() + p_lease / 2
-              and s.workflows = p_workflows and s.queues = p_queues and s.lease = p_lease) then
+              and s.channel = p_handoff_channel and s.workflows = p_workflows
+              and s.queues = p_queues and s.lease = p_lease) then
         return;
     end if;
     v_free_slots := array(
@@ -86,15 +78,15 @@ begin
         where s.worker_id = p_worker
         order by s.id
         for update skip locked);
-    if p_offer and v_claimed < p_limit then
+    if p_handoff_channel is not null and v_claimed < p_limit then
         if cardinality(v_free_slots) = 0 then
             insert into handoff_slots (worker_id, channel, workflows, queues, lease, expires_at)
-            values (p_worker, handoff_channel(p_worker), p_workflows, p_queues, p_lease,
+            values (p_worker, p_handoff_channel, p_workflows, p_queues, p_lease,
                     now() + p_lease);
         else
             update handoff_slots s
-            set workflows = p_workflows, queues = p_queues, lease = p_lease,
-                expires_at = now() + p_lease
+            set channel = p_handoff_channel, workflows = p_workflows, queues = p_queues,
+                lease = p_lease, expires_at = now() + p_lease
             where s.id = v_free_slots[1];
             delete from handoff_slots s where s.id = any(v_free_slots[2:]);
         end if;

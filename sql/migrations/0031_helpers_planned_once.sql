@@ -3,7 +3,7 @@
 --
 -- max_takeovers() and worker_alive() were SQL functions with a search_path of their own, which
 -- PostgreSQL never inlines: each call parsed and planned its query again. On an idle server
--- that cost about 100 µs a call (pg_stat_user_functions): a tenth of a claim, since every claim
+-- that cost about 0.1 ms a call (pg_stat_user_functions): a tenth of a claim, since every claim
 -- and every heartbeat sweeps for stalled runs and the sweep reads max_takeovers().
 
 -- max_takeovers as in 0003.
