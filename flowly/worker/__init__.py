@@ -450,7 +450,9 @@ class Worker:
         finally:
             try:
                 await self._release_unfinished()
-                await end_tasks(background, _CANCEL_GRACE)
+                # a hand-off given back or confirmed after this is not waited for: its short
+                # first lease lapses, and any claim takes the run
+                await end_tasks([*background, *self._handoff_calls], _CANCEL_GRACE)
             finally:
                 # the threads are told to end before anything else is awaited, so they end
                 # even if this shutdown is cut short (it overran while the database hung): a
@@ -597,6 +599,7 @@ class Worker:
                                exc, self.poll_interval)
             finally:
                 self._listening = False
+                self._wakeup.set()  # a claim now withdraws the offer of an idle slot
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
