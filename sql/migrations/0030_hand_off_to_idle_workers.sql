@@ -46,10 +46,10 @@ $$;
 
 -- claim, then the worker's offer of one idle slot brought up to date: offered, with the
 -- channel it listens on, when it gives one (p_handoff_channel) and the claim left it a free
--- slot; withdrawn otherwise. The worker's slots that a
--- start holds (an open transaction) are skipped, never waited for. An offer that stands is
--- rewritten only in the second half of its life: a start finds it locked meanwhile (and
--- goes the claim's way), so it is not locked at every claim.
+-- slot; withdrawn otherwise. The worker's slots that a start holds (an open transaction) are
+-- skipped, never waited for. An offer that stands is rewritten only in the second half of its
+-- life: a start finds it locked meanwhile (and goes the claim's way), so it is not locked at
+-- every claim.
 create function claim_and_offer(
     p_worker text, p_workflows text[], p_queues text[], p_limit integer, p_lease interval,
     p_handoff_channel text
