@@ -179,7 +179,7 @@ def test_notifications_that_are_not_hand_offs_do_not_hurt_a_worker(
                          worker.worker_id)
         for payload in ("not json", "[1, 2]", '{"run_id": "x"}',
                         '{"run_id": "nope", "workflow": "unknown", "input": null, "attempt": 1,'
-                        ' "generation": 1, "lease_epoch": 1}'):
+                        ' "generation": 1, "lease_epoch": 1, "lease_seconds": 5}'):
             db.execute("select pg_notify(%s, %s)", (channel, payload))
         time.sleep(0.3)
         run_id = client.start("echo", {"value": "fine"})

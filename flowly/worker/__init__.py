@@ -56,7 +56,7 @@ from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .handoff import ClaimedRun, parse_handoff
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, settle
 from .step_threads import StepThreads
 from .transactions import Transactions
 
@@ -79,8 +79,6 @@ _PURGE_BATCH = 1000
 _SCHEDULE_TICK_MAX = 15.0
 # how long past the drain timeout a stopping worker's orderly shutdown may take in all
 _SHUTDOWN_GRACE = 5.0
-# the longest first lease of a run handed to this worker (handoff_lease in SQL)
-_HANDOFF_LEASE = 5.0
 # rows and bytes of replay data one read fetches
 _REPLAY_PAGE_ROWS = 500
 
@@ -521,23 +519,28 @@ class Worker:
         return held
 
     def _take_handoff(self, payload: str) -> None:
-        """Begin a run that start handed to this worker (see handoff.py); give it back at
-        once when it cannot run here now (full, stopping, or a workflow not served)."""
-        run = parse_handoff(payload)
-        current = None if run is None else self._held.get(run.run_id)
-        if run is None or (current is not None and current.epoch >= run.epoch):
-            pass  # not a run, or a late notification of one claimed again since
-        elif (self._stopping.is_set() or len(self._held) >= self.concurrency
+        """Begin a run that start handed to this worker (see handoff.py), then claim again:
+        that offers the next idle slot, if one is free."""
+        handed = parse_handoff(payload)
+        if handed is not None:
+            self._accept_handoff(*handed)
+        self._wakeup.set()
+
+    def _accept_handoff(self, run: ClaimedRun, first_lease: float) -> None:
+        """Begin the run, or give it back at once when it cannot run here now (full,
+        stopping, or a workflow not served)."""
+        current = self._held.get(run.run_id)
+        if current is not None and current.epoch >= run.epoch:
+            return  # a late notification of a run claimed again since
+        if (self._stopping.is_set() or len(self._held) >= self.concurrency
                 or run.workflow not in self.workflows):
             self._handoff_call(self._give_back(run))
-        else:
-            # the server counts the short first lease from the start, before the commit that
-            # sent the run: half of it is known to hold until the heartbeat below answers
-            held = self._begin(
-                run, lease_until=time.monotonic() + min(self.lease, _HANDOFF_LEASE) / 2)
-            # after the run's task, so its first step goes before these calls
-            self._handoff_call(self._extend_handed_lease(held))
-        self._wakeup.set()  # claim again: that offers the next idle slot, if one is free
+            return
+        # the server counts the short first lease from the start, before the commit that sent
+        # the run: half of it is known to hold until the heartbeat below answers
+        held = self._begin(run, lease_until=time.monotonic() + first_lease / 2)
+        # after the run's task, so its first step goes before this call
+        self._handoff_call(self._extend_handed_lease(held))
 
     def _handoff_call(self, call: Awaitable[None]) -> None:
         task = asyncio.ensure_future(call)
@@ -548,18 +551,16 @@ class Worker:
         """Extend a handed-off run's short first lease to a whole one: a heartbeat of it."""
         sent = time.monotonic()
         try:
-            not_kept = await self._call(self._calls.heartbeat, (
+            rows = await self._call(self._calls.heartbeat, (
                 self.worker_id, [held.run_id], [held.epoch], timedelta(seconds=self.lease)))
         except Exception as exc:  # the periodic heartbeat tries again
             logger.warning("could not extend the lease of run %s handed to us: %s",
                            held.run_id, exc)
             return
-        outcomes = {outcome for _, outcome in not_kept}
-        if "lost" in outcomes:
-            self._lost(held)
-        elif not outcomes:
-            _leases_kept([held], sent + self.lease)
-        # else busy: its row was locked (a checkpoint of it under way); the heartbeats go on
+        lost, kept = settle([(held.run_id, held.epoch, held)], rows)
+        for token in lost:
+            self._lost(token)
+        _leases_kept(kept, sent + self.lease)
 
     async def _give_back(self, run: ClaimedRun) -> None:
         try:

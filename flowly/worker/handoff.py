@@ -33,22 +33,23 @@ class ClaimedRun:
     has_history: bool
 
 
-def parse_handoff(payload: str) -> ClaimedRun | None:
-    """The run a hand-off NOTIFY carries, or None (logged) if the payload is not one: the
-    worker then claims as usual, and the run, if there is one, reaches it that way."""
+def parse_handoff(payload: str) -> tuple[ClaimedRun, float] | None:
+    """The run a hand-off NOTIFY carries and the seconds of its first lease, or None (logged)
+    if the payload is not one: the worker then claims as usual, and the run, if there is one,
+    reaches it that way."""
     try:
         fields: dict[str, Any] = json.loads(payload)
         return ClaimedRun(
             run_id=str(fields["run_id"]),
             workflow=str(fields["workflow"]),
-            # only pending runs that never ran are handed off (see hand_off)
+            # only new runs are handed off (insert_handed_off_run)
             status="running",
             input=fields["input"],
             attempt=int(fields["attempt"]),
             generation=int(fields["generation"]),
             epoch=int(fields["lease_epoch"]),
             has_history=False,
-        )
+        ), float(fields["lease_seconds"])
     except (ValueError, TypeError, KeyError) as exc:
         logger.warning("ignoring a hand-off notification that is not one (%s): %.200r",
                        exc, payload)

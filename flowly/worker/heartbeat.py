@@ -35,6 +35,21 @@ HeldSnapshot = Callable[[], list[tuple[str, int, Any]]]
 """Returns the runs the worker holds now: (run id, epoch, the worker's token for the run)."""
 
 
+def settle(held: list[tuple[str, int, Any]], rows: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The tokens of the runs whose lease a ``heartbeat`` call of ``held`` lost, and of those
+    it extended. The call lists only the runs it did not extend; one whose row was locked
+    elsewhere ('busy') is neither: a later beat extends it."""
+    tokens = {h[0]: h[2] for h in held}
+    lost = []
+    for run_id, outcome in rows:
+        token = tokens.pop(run_id)
+        if outcome == "busy":
+            logger.info("run %s busy: its lease was not extended this time", run_id)
+        else:
+            lost.append(token)
+    return lost, list(tokens.values())
+
+
 class Heartbeat:
     """Beats on a daemon thread until :meth:`stop`."""
 
@@ -122,14 +137,10 @@ class Heartbeat:
             (self._worker_id, [h[0] for h in held], [h[1] for h in held],
              timedelta(seconds=self._lease)),
         ).fetchall()
-        tokens = {h[0]: h[2] for h in held}
-        for run_id, outcome in rows:
-            token = tokens.pop(run_id)
-            if outcome == "busy":  # its row is locked elsewhere: extended at a later beat
-                logger.info("run %s busy: its lease was not extended this time", run_id)
-            else:
-                self._loop.call_soon_threadsafe(self._on_lost, token)
-        self._on_kept(list(tokens.values()), sent + self._lease)
+        lost, kept = settle(held, rows)
+        for token in lost:
+            self._loop.call_soon_threadsafe(self._on_lost, token)
+        self._on_kept(kept, sent + self._lease)
         conn.execute(self._calls.fold_run_counts)  # upkeep of flowly.run_counts
 
     def _warn_if_loop_blocked(self, interval: float) -> None:

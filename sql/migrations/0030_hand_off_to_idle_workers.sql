@@ -150,7 +150,8 @@ declare
 begin
     v_payload := json_build_object(
         'run_id', p_id, 'workflow', p_workflow, 'input', p_input, 'attempt', 1,
-        'generation', 1, 'lease_epoch', 1)::text;
+        'generation', 1, 'lease_epoch', 1,
+        'lease_seconds', extract(epoch from handoff_lease(p_slot.lease)))::text;
     -- a NOTIFY payload must stay under 8000 bytes
     if octet_length(v_payload) >= 7900 then
         return false;
