@@ -260,14 +260,6 @@ def list_runs_query(
     return query, params
 
 
-def _start_and_served(calls: Calls) -> sql.Composed:
-    """``start`` and, in the same round trip, whether a live worker serves the run."""
-    return calls.start + sql.SQL(
-        ", exists (select from {}.workers w where w.last_seen_at + w.lease > now()"
-        " and %(workflow)s = any(w.workflows) and %(queue)s = any(w.queues)) as served"
-    ).format(sql.Identifier(calls.schema))
-
-
 class Client:
     """Blocking client over one autocommit connection (opened lazily)."""
 
@@ -330,7 +322,7 @@ class Client:
         """
         name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
-        row = self._fetch(_start_and_served(self.calls), params, conn)[0]
+        row = self._fetch(self.calls.start_and_served, params, conn)[0]
         if not row["served"]:
             _unserved_note(self._warned, row["start"], name, params["queue"])
         return str(row["start"])
@@ -560,7 +552,7 @@ class AsyncClient:
         """See :meth:`Client.start`."""
         name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)
-        row = (await self._fetch(_start_and_served(self.calls), params, conn))[0]
+        row = (await self._fetch(self.calls.start_and_served, params, conn))[0]
         if not row["served"]:
             _unserved_note(self._warned, row["start"], name, params["queue"])
         return str(row["start"])

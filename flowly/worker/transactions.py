@@ -101,7 +101,7 @@ class Transactions:
         """Execute a transactional step; returns its stored output and sequence number, and
         whether the run's takeover count is to be restarted now that the step committed
         (which its own transaction cannot do: 0029)."""
-        def finish(result: Any) -> tuple[sql.Composed, tuple[Any, ...]]:
+        def finish(result: Any) -> tuple[sql.SQL, tuple[Any, ...]]:
             payload = serialise_output(result, f"step {name!r}", max_output_bytes)
             return self._calls.checkpoint_transaction, (
                 run_id, epoch, name, payload, started_at, compensable, position)
@@ -113,16 +113,16 @@ class Transactions:
     async def compensate(self, run_id: str, epoch: int, name: str, fn: Callable[..., Any],
                          output: Any) -> None:
         """Run a transactional compensation and record its success in one transaction."""
-        def finish(_: Any) -> tuple[sql.Composed, tuple[Any, ...]]:
+        def finish(_: Any) -> tuple[sql.SQL, tuple[Any, ...]]:
             return self._calls.record_compensation_transaction, (run_id, epoch, name)
 
         await self._run(self._calls.begin_compensation_transaction, (run_id, epoch), fn,
                         (output,), None, finish)
 
     async def _run(
-        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        self, begin: sql.SQL, begin_args: tuple[Any, ...], fn: Callable[..., Any],
         args: tuple[Any, ...], isolation: str | None,
-        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+        finish: Callable[[Any], tuple[sql.SQL, tuple[Any, ...]]],
     ) -> Any:
         async with self._slots:
             for attempt in range(1, SERIALIZATION_TRIES + 1):
@@ -143,9 +143,9 @@ class Transactions:
             raise AssertionError("unreachable")
 
     async def _run_async(
-        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        self, begin: sql.SQL, begin_args: tuple[Any, ...], fn: Callable[..., Any],
         args: tuple[Any, ...], isolation: str | None,
-        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+        finish: Callable[[Any], tuple[sql.SQL, tuple[Any, ...]]],
     ) -> Any:
         async with self._pool.connection() as conn:
             with Cutoff(conn) as cutoff:
@@ -172,9 +172,9 @@ class Transactions:
                         return await cursor.fetchone()
 
     def _run_sync(
-        self, begin: sql.Composed, begin_args: tuple[Any, ...], fn: Callable[..., Any],
+        self, begin: sql.SQL, begin_args: tuple[Any, ...], fn: Callable[..., Any],
         args: tuple[Any, ...], isolation: str | None,
-        finish: Callable[[Any], tuple[sql.Composed, tuple[Any, ...]]],
+        finish: Callable[[Any], tuple[sql.SQL, tuple[Any, ...]]],
     ) -> Any:
         with self._sync_connections().connection() as conn, Cutoff(conn) as cutoff:
             cutoff.arm(self._call_timeout)  # the BEGIN and what flowly sends after it
