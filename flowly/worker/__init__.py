@@ -305,7 +305,10 @@ class Worker:
             lease = self.lease
 
             async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
-                await session.configure_async(conn, lease)
+                # bounded, and ended at once when cancelled (see bounded_calls): a setup on a
+                # hung server that the pool leaves behind at close is cancelled once, by the
+                # event loop's teardown, which a plain query would hold up 10 s
+                await within(session.call_timeout(lease), session.configure_async(conn, lease))
 
             self._pool = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=self.max_connections, open=False,
