@@ -165,6 +165,8 @@ class Calls:
         self.purge = q("select {s}.purge(%s, %s, %s)")
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
         self.wakeup_channel = q("select {s}.wakeup_channel()")
+        self.server_clock = rendered(
+            sql.SQL("select extract(epoch from clock_timestamp())::float8"))
         self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
         self.unregister_worker = q("select {s}.unregister_worker(%s)")
         self.claim_and_offer = q("select * from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s)")

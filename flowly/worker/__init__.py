@@ -55,7 +55,7 @@ from ..schema import check_current_dsn, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
-from .handoff import ClaimedRun, parse_handoff
+from .handoff import ClaimedRun, HandOff, ServerClock, parse_handoff
 from .heartbeat import Heartbeat, settle
 from .step_threads import StepThreads
 from .transactions import Transactions
@@ -269,6 +269,8 @@ class Worker:
         self._handoff_channel = f"flowly_handoff_{uuid.uuid4().hex}"
         # calls made for runs handed to this worker (confirming or releasing them)
         self._handoff_calls: set[asyncio.Task[None]] = set()
+        # read while the worker offers slots: how much of a handed run's lease is left
+        self._server_clock = ServerClock(every=self.lease)
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_threads = StepThreads(concurrency)
@@ -488,13 +490,14 @@ class Worker:
                     await self._wakeup.wait()
 
     async def _claim(self, limit: int) -> int:
+        offering = self._listening and not self._stopping.is_set()
+        if offering and self._server_clock.due(time.monotonic()):
+            await self._read_server_clock()
         sent = time.monotonic()
         rows = await self._call(
             self._calls.claim_and_offer,
             (self.worker_id, list(self.workflows), self.queues, limit,
-             timedelta(seconds=self.lease),
-             self._handoff_channel if self._listening and not self._stopping.is_set()
-             else None),
+             timedelta(seconds=self.lease), self._handoff_channel if offering else None),
         )
         for row in rows:
             self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
@@ -525,37 +528,77 @@ class Worker:
         """Begin a run that start handed to this worker (see handoff.py), then claim again:
         that offers the next idle slot, if one is free."""
         handed = parse_handoff(payload)
-        if handed is not None:
-            self._accept_handoff(*handed)
-        self._wakeup.set()
+        if handed is None or not self._accept_handoff(handed):
+            self._wakeup.set()
 
-    def _accept_handoff(self, run: ClaimedRun, first_lease: float) -> None:
-        """Begin the run, or give it back at once when it cannot run here now (full,
-        stopping, or a workflow not served)."""
+    def _accept_handoff(self, handed: HandOff) -> bool:
+        """Begin the run while enough of its first lease is known to be left; confirm it first
+        when that cannot be told (read late: another claim may have taken it); give it back
+        at once when it cannot run here now. True while a confirmation is under way: it
+        claims again once it is done, not meanwhile (the claim would take the run itself)."""
+        run = handed.run
+        if not self._may_begin(run):
+            return False
+        lease_end = self._server_clock.local(handed.lease_until)
+        if lease_end is None or lease_end - time.monotonic() < handed.lease_seconds / 2:
+            self._handoff_call(self._confirm_handoff(run))
+            return True
+        held = self._begin(run, lease_until=lease_end)
+        # after the run's task, so its first step goes before this call
+        self._handoff_call(self._extend_handed_lease(held))
+        return False
+
+    def _may_begin(self, run: ClaimedRun) -> bool:
+        """Whether a run handed to this worker may begin here now; if not, it is given back
+        (full, stopping, or a workflow not served) or dropped (a late notification of a run
+        claimed again since)."""
         current = self._held.get(run.run_id)
         if current is not None and current.epoch >= run.epoch:
-            return  # a late notification of a run claimed again since
+            return False
         if (self._stopping.is_set() or len(self._held) >= self.concurrency
                 or run.workflow not in self.workflows):
             self._handoff_call(self._give_back(run))
-            return
-        # the server counts the short first lease from the start, before the commit that sent
-        # the run: half of it is known to hold until the heartbeat below answers
-        held = self._begin(run, lease_until=time.monotonic() + first_lease / 2)
-        # after the run's task, so its first step goes before this call
-        self._handoff_call(self._extend_handed_lease(held))
+            return False
+        return True
 
     def _handoff_call(self, call: Awaitable[None]) -> None:
         task = asyncio.ensure_future(call)
         self._handoff_calls.add(task)
         task.add_done_callback(self._handoff_calls.discard)
 
+    async def _read_server_clock(self) -> None:
+        sent = time.monotonic()
+        try:
+            (server_epoch,) = await self._call_one(self._calls.server_clock, ())
+        except (psycopg.Error, OSError) as exc:  # runs handed off meanwhile are confirmed
+            logger.warning("could not read the database server's clock: %s", exc)
+            return
+        self._server_clock.record(sent, server_epoch)
+
+    async def _confirm_handoff(self, run: ClaimedRun) -> None:
+        """Extend the lease of a run handed to this worker before beginning it: its first
+        lease may have lapsed and the run been claimed by another worker since."""
+        sent = time.monotonic()
+        try:
+            rows = await self._heartbeat_one(run.run_id, run.epoch)
+        except Exception as exc:  # its lease lapses, and any claim takes it
+            logger.warning("could not confirm run %s handed to us late: %s", run.run_id, exc)
+            return
+        finally:
+            self._wakeup.set()
+        if rows:
+            why = ("its row is locked by another transaction (a claim takes it once its lease"
+                   " lapses)" if rows[0][1] == "busy" else "it was claimed again since")
+            logger.warning("run %s was handed to us too late to run: %s", run.run_id, why)
+        elif self._may_begin(run):
+            logger.info("run %s handed to us late: lease confirmed, running it", run.run_id)
+            self._begin(run, lease_until=sent + self.lease)
+
     async def _extend_handed_lease(self, held: _Held) -> None:
         """Extend a handed-off run's short first lease to a whole one: a heartbeat of it."""
         sent = time.monotonic()
         try:
-            rows = await self._call(self._calls.heartbeat, (
-                self.worker_id, [held.run_id], [held.epoch], timedelta(seconds=self.lease)))
+            rows = await self._heartbeat_one(held.run_id, held.epoch)
         except Exception as exc:  # the periodic heartbeat tries again
             logger.warning("could not extend the lease of run %s handed to us: %s",
                            held.run_id, exc)
@@ -564,6 +607,11 @@ class Worker:
         for token in lost:
             self._lost(token)
         _leases_kept(kept, sent + self.lease)
+
+    async def _heartbeat_one(self, run_id: str, epoch: int) -> list[Any]:
+        """Extend one run's lease: no rows if it did; else whether it was lost or busy."""
+        return await self._call(self._calls.heartbeat, (
+            self.worker_id, [run_id], [epoch], timedelta(seconds=self.lease)))
 
     async def _give_back(self, run: ClaimedRun) -> None:
         try:

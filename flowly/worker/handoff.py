@@ -6,13 +6,19 @@ the worker's own channel. At commit the worker has what a claim would have retur
 a claim's round trip: the enqueue-to-first-step path is the start's commit and one NOTIFY.
 
 The run's first lease is short (``handoff_lease``), so the worker extends it at once with a
-heartbeat; everything else (fencing, heartbeats, release) is as for a claimed run.
+heartbeat; everything else (fencing, heartbeats, release) is as for a claimed run. A run read
+late (its start's transaction committed long after the start, or the worker was frozen or its
+event loop blocked) may have lost that lease to a claim already: the payload says when the
+lease ends on the server's clock, and a worker that cannot tell that enough of it is left
+confirms the run with a heartbeat before it begins it (migration 0032).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,24 +39,71 @@ class ClaimedRun:
     has_history: bool
 
 
-def parse_handoff(payload: str) -> tuple[ClaimedRun, float] | None:
-    """The run a hand-off NOTIFY carries and the seconds of its first lease, or None (logged)
-    if the payload is not one: the worker then claims as usual, and the run, if there is one,
-    reaches it that way."""
+@dataclass(frozen=True)
+class HandOff:
+    """A run start handed to this worker, and its first lease."""
+
+    run: ClaimedRun
+    lease_seconds: float
+    # when the first lease ends on the server's clock (epoch seconds); None from a schema
+    # before 0032, which did not say
+    lease_until: float | None
+
+
+def parse_handoff(payload: str) -> HandOff | None:
+    """The hand-off a NOTIFY carries, or None (logged) if the payload is not one: the worker
+    then claims as usual, and the run, if there is one, reaches it that way."""
     try:
         fields: dict[str, Any] = json.loads(payload)
-        return ClaimedRun(
-            run_id=str(fields["run_id"]),
-            workflow=str(fields["workflow"]),
-            # only new runs are handed off (insert_handed_off_run)
-            status="running",
-            input=fields["input"],
-            attempt=int(fields["attempt"]),
-            generation=int(fields["generation"]),
-            epoch=int(fields["lease_epoch"]),
-            has_history=False,
-        ), float(fields["lease_seconds"])
-    except (ValueError, TypeError, KeyError) as exc:
+        lease_until = fields.get("lease_until")
+        return HandOff(
+            ClaimedRun(
+                run_id=str(fields["run_id"]),
+                workflow=str(fields["workflow"]),
+                # only new runs are handed off (insert_handed_off_run)
+                status="running",
+                input=fields["input"],
+                attempt=int(fields["attempt"]),
+                generation=int(fields["generation"]),
+                epoch=int(fields["lease_epoch"]),
+                has_history=False,
+            ),
+            lease_seconds=float(fields["lease_seconds"]),
+            lease_until=None if lease_until is None else float(lease_until),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         logger.warning("ignoring a hand-off notification that is not one (%s): %.200r",
                        exc, payload)
         return None
+
+
+class ServerClock:
+    """The database server's clock as this worker's monotonic clock sees it, to tell how much
+    of a handed-off run's first lease is left when its NOTIFY is read.
+
+    A reading pairs the monotonic time a query was sent with the server's ``clock_timestamp()``
+    in its answer. The server read its clock after the send, so the offset taken from the
+    pair is at least the true one: a lease's end mapped with it comes out early, never late.
+    Readings are due every ``every`` seconds and trusted for twice that, so a drifting or
+    stepped clock on either side is not trusted for long.
+    """
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._offset: float | None = None
+        self._read_at = -math.inf
+
+    def due(self, now: float) -> bool:
+        return now - self._read_at >= self.every
+
+    def record(self, sent: float, server_epoch: float) -> None:
+        self._offset = server_epoch - sent
+        self._read_at = sent
+
+    def local(self, server_epoch: float | None) -> float | None:
+        """The monotonic time at or before which the server's clock shows ``server_epoch``;
+        None if that cannot be told (no recent reading, or no time given)."""
+        if (server_epoch is None or self._offset is None
+                or time.monotonic() - self._read_at > 2 * self.every):
+            return None
+        return server_epoch - self._offset
