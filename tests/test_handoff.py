@@ -3,9 +3,10 @@
 A worker whose claim left it a free slot offers one; start takes it in its own transaction,
 writes the run as claimed by that worker and sends it the run by NOTIFY. These tests check
 that it happens, and attack it: a worker that offered and then froze or died, a start that
-holds a slot in an open transaction, a worker that is full when the run arrives, runs that
-must not be handed off (not due, under REPEATABLE READ, too large, queued behind others),
-and notifications that are not what they claim.
+holds a slot in an open transaction, a hand-off read after its first lease (the worker
+frozen, the transaction committed late, the run's row held by an operator), a worker that is
+full when the run arrives, runs that must not be handed off (not due, under REPEATABLE READ,
+too large, queued behind others), and notifications that are not what they claim.
 """
 
 from __future__ import annotations

@@ -541,12 +541,15 @@ class Worker:
             return False
         lease_end = self._server_clock.local(handed.lease_until)
         if lease_end is None or lease_end - time.monotonic() < handed.lease_seconds / 2:
-            self._handoff_call(self._confirm_handoff(run))
+            self._handoff_call(self._confirm_handoff(handed))
             return True
-        held = self._begin(run, lease_until=lease_end)
+        self._begin_handed(run, lease_end)
+        return False
+
+    def _begin_handed(self, run: ClaimedRun, lease_until: float) -> None:
+        held = self._begin(run, lease_until)
         # after the run's task, so its first step goes before this call
         self._handoff_call(self._extend_handed_lease(held))
-        return False
 
     def _may_begin(self, run: ClaimedRun) -> bool:
         """Whether a run handed to this worker may begin here now; if not, it is given back
@@ -571,16 +574,20 @@ class Worker:
         try:
             (server_epoch,) = await self._call_one(self._calls.server_clock, ())
         except (psycopg.Error, OSError) as exc:  # runs handed off meanwhile are confirmed
-            logger.warning("could not read the database server's clock: %s", exc)
+            # the claim that follows fails too, and says so
+            logger.debug("could not read the database server's clock: %s", exc)
             return
         self._server_clock.record(sent, server_epoch)
 
-    async def _confirm_handoff(self, run: ClaimedRun) -> None:
-        """Extend the lease of a run handed to this worker before beginning it: its first
-        lease may have lapsed and the run been claimed by another worker since."""
+    async def _confirm_handoff(self, handed: HandOff) -> None:
+        """Renew the first lease of a run handed to this worker before beginning it: that
+        lease may have lapsed and the run been claimed by another worker since. Renewed for
+        as long as a first lease, not a whole one: a worker that stops meanwhile leaves the
+        run to any claim within seconds, as for any hand-off."""
+        run = handed.run
         sent = time.monotonic()
         try:
-            rows = await self._heartbeat_one(run.run_id, run.epoch)
+            rows = await self._heartbeat_one(run.run_id, run.epoch, handed.lease_seconds)
         except Exception as exc:  # its lease lapses, and any claim takes it
             logger.warning("could not confirm run %s handed to us late: %s", run.run_id, exc)
             return
@@ -592,13 +599,13 @@ class Worker:
             logger.warning("run %s was handed to us too late to run: %s", run.run_id, why)
         elif self._may_begin(run):
             logger.info("run %s handed to us late: lease confirmed, running it", run.run_id)
-            self._begin(run, lease_until=sent + self.lease)
+            self._begin_handed(run, sent + handed.lease_seconds)
 
     async def _extend_handed_lease(self, held: _Held) -> None:
         """Extend a handed-off run's short first lease to a whole one: a heartbeat of it."""
         sent = time.monotonic()
         try:
-            rows = await self._heartbeat_one(held.run_id, held.epoch)
+            rows = await self._heartbeat_one(held.run_id, held.epoch, self.lease)
         except Exception as exc:  # the periodic heartbeat tries again
             logger.warning("could not extend the lease of run %s handed to us: %s",
                            held.run_id, exc)
@@ -608,10 +615,10 @@ class Worker:
             self._lost(token)
         _leases_kept(kept, sent + self.lease)
 
-    async def _heartbeat_one(self, run_id: str, epoch: int) -> list[Any]:
+    async def _heartbeat_one(self, run_id: str, epoch: int, lease: float) -> list[Any]:
         """Extend one run's lease: no rows if it did; else whether it was lost or busy."""
         return await self._call(self._calls.heartbeat, (
-            self.worker_id, [run_id], [epoch], timedelta(seconds=self.lease)))
+            self.worker_id, [run_id], [epoch], timedelta(seconds=lease)))
 
     async def _give_back(self, run: ClaimedRun) -> None:
         try:
