@@ -564,6 +564,21 @@ def test_functions_in_the_database_pin_search_path(db: psycopg.Connection[Any]) 
         "search_path=flowly, pg_catalog, pg_temp"}
 
 
+def test_functions_that_refuse_sequential_scans_are_never_jit_compiled(
+        db: psycopg.Connection[Any]) -> None:
+    """A function set to refuse sequential scans still runs some (a small table without an
+    index for its query: settings, which max_takeovers() reads inside every heartbeat), at the
+    cost of a disabled scan, 10^10: above jit_above_cost, so each execution was JIT-compiled,
+    about 100 ms of server CPU a heartbeat. Each such function turns JIT off too (nested calls
+    inherit both)."""
+    rows = db.execute("select proname, proconfig from pg_proc"
+                      " where pronamespace = 'flowly'::regnamespace"
+                      " and 'enable_seqscan=off' = any(proconfig)").fetchall()
+    assert {name for name, _ in rows} >= {"claim", "heartbeat", "checkpoint_steps",
+                                           "complete_runs", "run_due_ahead"}
+    assert [name for name, config in rows if "jit=off" not in config] == []
+
+
 # --- behaviour under a foreign search_path -------------------------------------------------
 
 def exercise_engine(conn: psycopg.Connection[Any]) -> str:

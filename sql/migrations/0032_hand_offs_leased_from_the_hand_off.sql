@@ -62,6 +62,7 @@ returns boolean
 language plpgsql stable
 set search_path from current
 set enable_seqscan = off
+set jit = off
 as $$
 begin
     return exists (
@@ -95,3 +96,10 @@ begin
     return v_slot;
 end
 $$;
+
+-- heartbeat refuses sequential scans (0011) but, unlike claim, checkpoint_steps and
+-- complete_runs, did not turn JIT off: the stalled-run sweep it runs reads settings through
+-- max_takeovers(), a sequential scan at a disabled scan's cost (10^10), so every heartbeat
+-- JIT-compiled that query, about 100 ms of server CPU, and so did the heartbeat that extends
+-- every handed-off run's lease.
+alter function heartbeat(text, text[], bigint[], interval) set jit = off;
