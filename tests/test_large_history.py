@@ -186,3 +186,24 @@ def test_a_hand_off_reads_no_finished_history(dsn: str, db: psycopg.Connection[A
     _finished_since_analyzed(db, "large-", 49_000)
     large = _handed_off_starts_pages(dsn, 12)
     assert large < small * 1.5 + 50, (small, large)
+
+
+# --- missed wake-ups ---------------------------------------------------------------------------
+
+
+def test_applying_missed_wake_ups_reads_no_history_when_none_was_missed(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    """Every worker applies missed wake-ups every second (wake_missed_waiters). With none
+    missed, as nearly always, the call reads no run: the same pages with 50,000 finished runs
+    as with 1,000. (Its plan may hash the runs against missed_wakeups, whose size the planner
+    does not know; the hash join reads its empty outer side first and never builds it.)"""
+    def pages() -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            read, _ = pages_read(conn, "flowly.runs", "select flowly.wake_missed_waiters()")
+        return read
+
+    _finished_runs(db, "small-", 1_000)
+    small = pages()
+    _finished_runs(db, "large-", 49_000)
+    large = pages()
+    assert large < small + 20, (small, large)
