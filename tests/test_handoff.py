@@ -45,7 +45,9 @@ def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str
 
 
 def test_a_run_started_while_a_worker_waits_idle_is_handed_to_it(
-        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="flowly.worker")
     with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker:
         wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
         run_id = client.start("echo", {"value": [1, "two", {"3": None}]})
@@ -66,6 +68,8 @@ def test_a_run_started_while_a_worker_waits_idle_is_handed_to_it(
         assert client.wait(again, timeout=10).output == 3 and handed_off(db, again)
     # a stopped worker withdraws its offer
     assert not offered(db, worker.worker_id)
+    # each began at once: the worker knew from the server's clock that its lease held
+    assert "handed to us late" not in caplog.text and "too late" not in caplog.text
 
 
 def test_a_run_handed_to_a_worker_that_died_since_is_claimed_by_another_within_seconds(
