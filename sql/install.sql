@@ -224,6 +224,12 @@ select not exists (select from schema_migrations where version = 32) as apply_mi
     insert into schema_migrations (version, name) values (32, '0032_hand_offs_leased_from_the_hand_off');
 \endif
 
+select not exists (select from schema_migrations where version = 33) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0033_cancels_that_end.sql
+    insert into schema_migrations (version, name) values (33, '0033_cancels_that_end');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -523,3 +523,60 @@ def test_cancels_racing_a_family_that_keeps_starting_children(
         if outcomes[run] == "cancelled":
             assert outcomes[run + " left"] == [], outcomes
             assert _unfinished_descendants(db, run) == []
+
+
+def test_a_cancel_of_a_family_that_grows_faster_than_it_can_be_locked_ends_in_time(
+    dsn: str, db: psycopg.Connection[Any],
+) -> None:
+    """cancel locks the family, reads it again, and starts over when it grew meanwhile. A
+    large family whose running members keep starting children grows within every pass: the
+    cancel must still end (cancelled, or WF005 once it has tried for its lock timeout), not
+    loop for as long as the children keep coming."""
+    root = _running(db, "root")
+    parents = {"root": root}
+    for i in range(20):
+        parents[f"m{i}"] = _running(db, f"m{i}", parent=("root", root))
+    db.execute("""
+        insert into flowly.runs (id, workflow, parent_run_id)
+        select 'bulk-' || g, 'wf_bulk', 'm' || (g % 20) from generate_series(1, 3000) g""")
+    stop = threading.Event()
+    seq = iter(range(10**6))
+    lock = threading.Lock()
+
+    def keep_starting(seed: int) -> None:
+        local = random.Random(seed)
+        with _session(dsn, autocommit=True) as conn:
+            conn.execute("set lock_timeout = '100ms'")
+            while not stop.is_set():
+                parent = local.choice(sorted(parents))
+                with lock:
+                    run = f"k{next(seq):06d}"
+                try:
+                    _start(conn, run, "wf_k", (parent, parents[parent]))
+                except psycopg.Error as exc:
+                    # busy, or a parent cancelled or its lease moved on: the cancel won
+                    if exc.sqlstate not in (BUSY, LOST, "WF004", "55P03"):
+                        raise
+
+    starters = [threading.Thread(target=keep_starting, args=(s,), daemon=True)
+                for s in range(3)]
+    for t in starters:
+        t.start()
+    try:
+        time.sleep(0.3)
+        with _session(dsn, autocommit=True) as conn:
+            began = time.monotonic()
+            try:
+                outcome = scalar(conn, "select flowly.cancel('root')")
+            except psycopg.Error as exc:
+                outcome = exc.sqlstate
+            took = time.monotonic() - began
+    finally:
+        stop.set()
+        for t in starters:
+            t.join(10)
+    assert outcome in ("cancelled", BUSY), outcome
+    # its passes stop after its lock timeout (5 s); the last may wait for a lock that long
+    assert took < 12, took
+    if outcome == "cancelled":
+        assert _unfinished_descendants(db, "root") == []
