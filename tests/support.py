@@ -135,6 +135,14 @@ def claim_as(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dic
         " '1 hour')", (workflow, limit)).fetchall())
 
 
+def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str) -> None:
+    """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would."""
+    db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",
+               (worker, workflow, lease))
+    db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 4, %s,"
+               " %s)", (worker, workflow, lease, f"{worker}_channel"))
+
+
 def park_on_run(db: psycopg.Connection[Any], waiter: str, epoch: int, target: str) -> Any:
     """The worker's two calls for `await ctx.wait_for_run(target)`: register, then park;
     what park returns (when the waiter is due, None for never)."""

@@ -457,6 +457,52 @@ def test_two_cancels_whose_family_grew_while_one_waited_do_not_deadlock(
     assert _unfinished_descendants(db, "p") == []
 
 
+class _ChildStarters:
+    """Sessions that keep starting children of running family members (``parents``: run id to
+    lease epoch, shared with the test) until the block ends; with ``claim``, each child is
+    claimed as it starts, so that it can start its own. Errors whose SQLSTATE is not in
+    ``expected`` are kept in ``errors`` for the test to assert on."""
+
+    def __init__(self, dsn: str, parents: dict[str, int], *, lock_timeout: str,
+                 expected: tuple[str, ...], claim: bool, sessions: int = 3) -> None:
+        self.dsn, self.parents = dsn, parents
+        self.lock_timeout, self.expected, self.claim = lock_timeout, expected, claim
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._seq = iter(range(10**6))
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._keep_starting, args=(s,), daemon=True)
+                         for s in range(sessions)]
+
+    def __enter__(self) -> _ChildStarters:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _keep_starting(self, seed: int) -> None:
+        local = random.Random(seed)
+        with _session(self.dsn, autocommit=True) as conn:
+            conn.execute("select set_config('lock_timeout', %s, false)", (self.lock_timeout,))
+            while not self._stop.is_set():
+                with self._lock:
+                    parent = local.choice(sorted(self.parents))
+                    run = f"k{next(self._seq):06d}"
+                try:
+                    _start(conn, run, "wf_k", (parent, self.parents[parent]))
+                    if self.claim:
+                        got = claim_as(conn, "wf_k", 1)
+                        with self._lock:
+                            self.parents.update(got)
+                except psycopg.Error as exc:
+                    if exc.sqlstate not in self.expected:
+                        self.errors.append(exc)
+
+
 def test_cancels_racing_a_family_that_keeps_starting_children(
     dsn: str, db: psycopg.Connection[Any],
 ) -> None:
@@ -469,55 +515,29 @@ def test_cancels_racing_a_family_that_keeps_starting_children(
     for i in range(6):
         parent = rng.choice(list(epochs))
         epochs[f"n{i}"] = _running(db, f"n{i}", parent=(parent, epochs[parent]))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    seq = iter(range(10**6))
-    lock = threading.Lock()
+    with _ChildStarters(dsn, epochs, lock_timeout="2s", expected=(BUSY, LOST),
+                        claim=True) as starters:
+        time.sleep(0.3)
+        targets = ["root", *rng.sample(sorted(epochs), 3)]
+        outcomes: dict[str, Any] = {}
 
-    def worker(seed: int) -> None:
-        local = random.Random(seed)
-        with _session(dsn, autocommit=True) as conn:
-            conn.execute("set lock_timeout = '2s'")
-            while not stop.is_set():
-                with lock:
-                    parent = local.choice(sorted(epochs))
-                    run = f"k{next(seq):05d}"
+        def cancel(run: str) -> None:
+            with _session(dsn, autocommit=True) as conn:
+                time.sleep(rng.random() * 0.1)
                 try:
-                    _start(conn, run, "wf_k", (parent, epochs[parent]))
-                    got = claim_as(conn, "wf_k", 1)
-                    with lock:
-                        epochs.update(got)
+                    outcomes[run] = scalar(conn, "select flowly.cancel(%s)", run)
                 except psycopg.Error as exc:
-                    if exc.sqlstate not in (BUSY, LOST):
-                        errors.append(exc)
+                    outcomes[run] = exc.sqlstate
+                if outcomes[run] == "cancelled":
+                    outcomes[run + " left"] = _unfinished_descendants(conn, run)
 
-    workers = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
-    for t in workers:
-        t.start()
-    time.sleep(0.3)
-    targets = ["root", *rng.sample(sorted(epochs), 3)]
-    outcomes: dict[str, Any] = {}
-
-    def cancel(run: str) -> None:
-        with _session(dsn, autocommit=True) as conn:
-            time.sleep(rng.random() * 0.1)
-            try:
-                outcomes[run] = scalar(conn, "select flowly.cancel(%s)", run)
-            except psycopg.Error as exc:
-                outcomes[run] = exc.sqlstate
-            if outcomes[run] == "cancelled":
-                outcomes[run + " left"] = _unfinished_descendants(conn, run)
-
-    cancels = [threading.Thread(target=cancel, args=(t,)) for t in targets]
-    for t in cancels:
-        t.start()
-    for t in cancels:
-        t.join(20)
-    time.sleep(0.2)
-    stop.set()
-    for t in workers:
-        t.join(10)
-    assert not errors, errors
+        cancels = [threading.Thread(target=cancel, args=(t,)) for t in targets]
+        for t in cancels:
+            t.start()
+        for t in cancels:
+            t.join(20)
+        time.sleep(0.2)
+    assert not starters.errors, starters.errors
     for run in targets:
         assert outcomes[run] in ("cancelled", BUSY), outcomes
         if outcomes[run] == "cancelled":
@@ -539,30 +559,9 @@ def test_a_cancel_of_a_family_that_grows_faster_than_it_can_be_locked_ends_in_ti
     db.execute("""
         insert into flowly.runs (id, workflow, parent_run_id)
         select 'bulk-' || g, 'wf_bulk', 'm' || (g % 20) from generate_series(1, 3000) g""")
-    stop = threading.Event()
-    seq = iter(range(10**6))
-    lock = threading.Lock()
-
-    def keep_starting(seed: int) -> None:
-        local = random.Random(seed)
-        with _session(dsn, autocommit=True) as conn:
-            conn.execute("set lock_timeout = '100ms'")
-            while not stop.is_set():
-                parent = local.choice(sorted(parents))
-                with lock:
-                    run = f"k{next(seq):06d}"
-                try:
-                    _start(conn, run, "wf_k", (parent, parents[parent]))
-                except psycopg.Error as exc:
-                    # busy, or a parent cancelled or its lease moved on: the cancel won
-                    if exc.sqlstate not in (BUSY, LOST, "WF004", "55P03"):
-                        raise
-
-    starters = [threading.Thread(target=keep_starting, args=(s,), daemon=True)
-                for s in range(3)]
-    for t in starters:
-        t.start()
-    try:
+    # busy, or a parent cancelled or its lease moved on: the cancel won
+    with _ChildStarters(dsn, parents, lock_timeout="100ms",
+                        expected=(BUSY, LOST, "WF004", "55P03"), claim=False) as starters:
         time.sleep(0.3)
         with _session(dsn, autocommit=True) as conn:
             began = time.monotonic()
@@ -571,10 +570,7 @@ def test_a_cancel_of_a_family_that_grows_faster_than_it_can_be_locked_ends_in_ti
             except psycopg.Error as exc:
                 outcome = exc.sqlstate
             took = time.monotonic() - began
-    finally:
-        stop.set()
-        for t in starters:
-            t.join(10)
+    assert not starters.errors, starters.errors
     assert outcome in ("cancelled", BUSY), outcome
     # its passes stop after its lock timeout (5 s); the last may wait for a lock that long
     assert took < 12, took

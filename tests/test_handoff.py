@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import running_worker, scalar, wait_for, worker_process
+from tests.support import offer_as, running_worker, scalar, wait_for, worker_process
 
 
 def handed_off(db: psycopg.Connection[Any], run_id: str) -> bool:
@@ -34,14 +34,6 @@ def handed_off(db: psycopg.Connection[Any], run_id: str) -> bool:
 def offered(db: psycopg.Connection[Any], worker: str, at_least: int = 1) -> bool:
     return int(scalar(db, "select count(*) from flowly.handoff_slots where worker_id = %s",
                       worker)) >= at_least
-
-
-def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str) -> None:
-    """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would."""
-    db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",
-               (worker, workflow, lease))
-    db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 4, %s,"
-               " %s)", (worker, workflow, lease, f"{worker}_channel"))
 
 
 def test_a_run_started_while_a_worker_waits_idle_is_handed_to_it(

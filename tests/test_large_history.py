@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from tests.support import pages_read, running_worker, scalar, seq_scanned
+from tests.support import offer_as, pages_read, running_worker, scalar, seq_scanned
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -147,10 +147,7 @@ def _handed_off_starts_pages(dsn: str, count: int) -> int:
     to a slot a ghost worker offered (past the fifth call, PL/pgSQL plans generically)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         for i in range(count):
-            conn.execute("select flowly.register_worker(%s, array['order'], array['default'],"
-                         " '1 minute')", (f"ghost-{i}",))
-            conn.execute("select * from flowly.claim_and_offer(%s, array['order'],"
-                         " array['default'], 1, '1 minute', %s)", (f"ghost-{i}", f"c{i}"))
+            offer_as(conn, f"ghost-{i}", "order", "1 minute")
     with psycopg.connect(dsn, autocommit=True) as conn:
         pages, _ = pages_read(
             conn, "flowly.runs",
