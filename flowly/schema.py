@@ -171,9 +171,3 @@ def check_current(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -
             f"schema {schema!r} lacks {len(missing)} migration(s) this flowly needs"
             f" ({', '.join(missing)}): run `flowly install` to apply them, then start the"
             " worker again")
-
-
-def check_current_dsn(dsn: str, schema: str = DEFAULT_SCHEMA) -> None:
-    """Connect to ``dsn`` and :func:`check_current`."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        check_current(conn, schema)

@@ -201,9 +201,10 @@ class FreezableProxy:
     connections stay open and the kernel still acknowledges the bytes, so no TCP timeout
     notices: all of it (``freeze``: the server hangs; connections opened meanwhile, cancel
     requests included, wait for the thaw), or one connection (``hang_backend``: one backend
-    hangs, or a pooler in between has a stuck server connection)."""
+    hangs, or a pooler in between has a stuck server connection). ``listen_port``: listen there
+    (a port a process was told to reach before anything listened on it)."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, listen_port: int = 0) -> None:
         with psycopg.connect(dsn) as conn:
             host, port = conn.info.host, conn.info.port
         self._upstream: tuple[int, Any] = (
@@ -214,7 +215,7 @@ class FreezableProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self._pairs: list[_Pair] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", listen_port))
         params = conninfo_to_dict(dsn)
         for key in ("host", "hostaddr", "port"):
             params.pop(key, None)
@@ -275,8 +276,8 @@ class FreezableProxy:
 
 
 @contextmanager
-def freezable_proxy(dsn: str) -> Iterator[FreezableProxy]:
-    proxy = FreezableProxy(dsn)
+def freezable_proxy(dsn: str, listen_port: int = 0) -> Iterator[FreezableProxy]:
+    proxy = FreezableProxy(dsn, listen_port)
     try:
         yield proxy
     finally:

@@ -1,5 +1,6 @@
 """The worker's lifecycle and its behaviour under failure: signals, crashes and
-shutdowns in the middle of transactional steps, start-up against an older schema.
+shutdowns in the middle of transactional steps, start-up against an older schema or before
+its database can be reached.
 
 The workflows below are served by worker subprocesses started with
 ``--app tests.test_worker_under_failure`` (they register when this module is imported)."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,10 +21,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY
 from tests.support import ROOT, freezable_proxy, running_worker, scalar, wait_for
+from tests.support import worker_process as app_worker_process
 
 # -- workflows ------------------------------------------------------------------------------
 
@@ -184,6 +188,94 @@ def test_sigterm_ends_a_worker_waiting_to_migrate_an_older_schema(
             except subprocess.TimeoutExpired:
                 pytest.fail("SIGTERM did not end a worker waiting to migrate the schema"
                             f" ({time.monotonic() - started:.0f}s)")
+
+
+def _port_nothing_listens_on() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _dsn_at_port(dsn: str, port: int) -> str:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    for key in ("host", "hostaddr", "port"):
+        params.pop(key, None)
+    return psycopg.conninfo.make_conninfo(**params, host="127.0.0.1", port=str(port))
+
+
+def test_a_worker_started_before_its_database_listens_waits_for_it_and_serves(
+    dsn: str, client: flowly.Client
+) -> None:
+    """A worker started while its database cannot be reached yet (a compose file starting
+    both, a server restarting): it exited at once with "cannot connect to the database"
+    (status 1), though once serving it rides out outages. It must wait, say so, and serve
+    as soon as the database answers."""
+    port = _port_nothing_listens_on()
+    with app_worker_process(_dsn_at_port(dsn, port), "--lease", "2") as worker:
+        time.sleep(2.0)  # a refused try every 0.5, 1 s...
+        assert worker.proc.poll() is None, f"the worker exited:\n{worker.kill()}"
+        run_id = client.start("quick", "early")
+        with freezable_proxy(dsn, port):
+            run = client.wait(run_id, timeout=30)
+            assert run.status == "completed", run
+            output = worker.stop()
+    assert "cannot reach the database yet (try 1:" in output, output
+    assert "Connection refused" in output, output
+    assert "reached the database after" in output, output
+    assert worker.proc.returncode == 0, output
+
+
+def test_a_worker_whose_role_has_no_connection_free_waits_for_one(
+    roles: tuple[str, str], db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal from a server that answered, yet one that time mends: the worker's role is
+    at its connection limit (other workers of the same role hold them all)."""
+    worker_dsn = roles[0]
+    login = psycopg.conninfo.conninfo_to_dict(worker_dsn)["user"]
+    db.execute(sql.SQL("alter role {} connection limit 0").format(sql.Identifier(login)))
+    try:
+        with flowly.Client(db.info.dsn) as client, running_worker(worker_dsn,
+                                                                   install_schema=False):
+            run_id = client.start("quick", "limited")
+            wait_for(lambda: "too many connections for role" in caplog.text,
+                     what="the worker refused a connection")
+            time.sleep(1.0)
+            assert client.get(run_id).status == "pending"
+            db.execute(sql.SQL("alter role {} connection limit -1").format(sql.Identifier(login)))
+            assert client.wait(run_id, timeout=30).status == "completed"
+    finally:
+        db.execute(sql.SQL("alter role {} connection limit -1").format(sql.Identifier(login)))
+    assert "cannot reach the database yet (try 2:" in caplog.text, caplog.text
+
+
+def test_sigterm_ends_a_worker_waiting_for_its_database_at_once(dsn: str) -> None:
+    """The pause between two tries is no reason to keep a stopped worker alive."""
+    with app_worker_process(_dsn_at_port(dsn, _port_nothing_listens_on())) as worker:
+        time.sleep(2.5)  # past the first pauses: it now sleeps 2 s between tries
+        started = time.monotonic()
+        output = worker.stop()
+        took = time.monotonic() - started
+    assert worker.proc.returncode == 0, output
+    assert took < 3.0, f"SIGTERM took {took:.1f}s to end a worker waiting for its database"
+    assert "cannot reach the database yet" in output, output
+
+
+def test_a_worker_given_a_database_that_does_not_exist_exits_at_once_naming_it(
+    dsn: str
+) -> None:
+    """Waiting cannot mend a refusal from a server that answered: a mistyped database name
+    must fail loudly, not loop."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params["dbname"] = "flowly_no_such_database"
+    with app_worker_process(psycopg.conninfo.make_conninfo(**params)) as worker:
+        try:
+            worker.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a worker given a database that does not exist kept running")
+        output = worker.stop()
+    assert worker.proc.returncode == 1, output
+    assert 'database "flowly_no_such_database" does not exist' in output, output
+    assert "cannot reach the database yet" not in output, output
 
 
 @flowly.workflow("wuf_fails_first_generation", max_attempts=1)

@@ -51,10 +51,11 @@ from ..group_commit import GroupCommitter
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schedules import tick_statement
-from ..schema import check_current_dsn, install
+from ..schema import check_current, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
+from .first_connection import connect_when_reachable
 from .handoff import ClaimedRun, HandOff, ServerClock, parse_handoff
 from .heartbeat import Heartbeat, settle
 from .step_threads import StepThreads
@@ -332,22 +333,19 @@ class Worker:
 
     async def _schema_ready(self) -> bool:
         """Apply the missing migrations (install_schema) or check there are none; False when
-        the worker was stopped meanwhile. An install may wait for the install lock (another
-        worker migrating) or for a lock a migration needs (a dashboard's open transaction):
-        a stop cancels that wait on the server, so SIGTERM is heard. The connection and the
-        check run on daemon threads, given up on at a stop: a database that hangs must not
-        keep the worker from exiting either."""
-        if not self.install_schema:
-            return await self._unless_stopped(
-                on_daemon_thread(check_current_dsn, self.dsn, self._calls.schema))
-        # not the lease's tight connect and TCP timeouts: a slow start (a busy server, a long
-        # migration) is no reason to give up; a stop is what ends the wait
-        connecting = on_daemon_thread(partial(
-            psycopg.Connection.connect, self.dsn, autocommit=True))
-        if not await self._unless_stopped(connecting):
-            connecting.add_done_callback(_close_connection)
+        the worker was stopped meanwhile. The database may not be reachable yet: the worker
+        waits for it (see first_connection). An install may wait for the install lock
+        (another worker migrating) or for a lock a migration needs (a dashboard's open
+        transaction): a stop cancels that wait on the server, so SIGTERM is heard. The
+        connection and the check run on daemon threads, given up on at a stop: a database
+        that hangs must not keep the worker from exiting either."""
+        conn = await connect_when_reachable(self.dsn, self._unless_stopped, self._stopped_within)
+        if conn is None:
             return False
-        conn: psycopg.Connection[Any] = connecting.result()
+        if not self.install_schema:
+            checking = on_daemon_thread(check_current, conn, self._calls.schema)
+            checking.add_done_callback(lambda _: conn.close())
+            return await self._unless_stopped(checking)
         installing = on_daemon_thread(install, conn, self._calls.schema)
         if await self._unless_stopped(installing):
             await asyncio.to_thread(conn.close)
@@ -373,6 +371,12 @@ class Worker:
             return False
         call.result()
         return True
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or less if the worker is stopped meanwhile: whether it was."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
 
     async def _unregister(self) -> None:
         """Leave flowly.workers, also after a shutdown that was cut short: a row left behind
@@ -925,12 +929,6 @@ def _consume_outcome(call: asyncio.Future[Any]) -> None:
     retrieved)."""
     if not call.cancelled():
         call.exception()
-
-
-def _close_connection(connecting: asyncio.Future[psycopg.Connection[Any]]) -> None:
-    """Close the connection a call given up on opened after all."""
-    if not connecting.cancelled() and connecting.exception() is None:
-        connecting.result().close()
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
