@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--workflow", default="bench.three_async")
+    parser.add_argument("--setup-sql", action="append", default=[], metavar="SQL",
+                        help="run this after the install, before the drains (to price a"
+                             " change of an engine function side by side); repeatable")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     dsn = fresh_database(resolve_dsn(args.dsn), "flowly_profile")
@@ -46,6 +49,9 @@ def main() -> None:
         conn.execute(sql.SQL("alter database {} set track_functions = 'pl'").format(
             sql.Identifier(name)))
     prepare(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in args.setup_sql:
+            conn.execute(statement)
     drain(dsn, args.workflow, min(args.runs, 1000), args.concurrency)  # warm up
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("select pg_stat_reset()")

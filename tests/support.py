@@ -60,12 +60,13 @@ def running_worker(dsn: str, **options: Any) -> Iterator[flowly.Worker]:
 
 
 class WorkerProcess:
-    """``python -m flowly.worker --app tests.workflows`` as a real child process."""
+    """``python -m flowly.worker --app tests.workflows`` (or another ``app``) as a real child
+    process."""
 
-    def __init__(self, dsn: str, *args: str) -> None:
+    def __init__(self, dsn: str, *args: str, app: str = "tests.workflows") -> None:
         env = {**os.environ, "FLOWLY_DSN": dsn, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowly.worker", "--app", "tests.workflows", "--dsn", dsn,
+            [sys.executable, "-m", "flowly.worker", "--app", app, "--dsn", dsn,
              "--poll-interval", "0.1", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
@@ -96,8 +97,9 @@ class WorkerProcess:
 
 
 @contextmanager
-def worker_process(dsn: str, *args: str) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(dsn, *args)
+def worker_process(dsn: str, *args: str, app: str = "tests.workflows"
+                   ) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(dsn, *args, app=app)
     try:
         yield process
     except BaseException:  # what the worker said belongs in the failure's report

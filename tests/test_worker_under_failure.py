@@ -12,11 +12,9 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
@@ -25,7 +23,7 @@ from psycopg import sql
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY
-from tests.support import ROOT, freezable_proxy, running_worker, scalar, wait_for
+from tests.support import WorkerProcess, freezable_proxy, running_worker, scalar, wait_for
 from tests.support import worker_process as app_worker_process
 
 # -- workflows ------------------------------------------------------------------------------
@@ -65,33 +63,9 @@ async def wuf_quick(ctx: flowly.Context, inp: Any) -> Any:
 # -- helpers --------------------------------------------------------------------------------
 
 
-class _Proc:
-    def __init__(self, dsn: str, *args: str) -> None:
-        env = {**os.environ, "FLOWLY_DSN": dsn, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowly.worker", "--app", "tests.test_worker_under_failure",
-             "--dsn", dsn, "--poll-interval", "0.1", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def output(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        out, _ = self.proc.communicate()
-        return out
-
-
-@contextmanager
-def worker_process(dsn: str, *args: str) -> Iterator[_Proc]:
-    process = _Proc(dsn, *args)
-    try:
-        yield process
-    except BaseException:
-        sys.stderr.write(f"worker {process.proc.pid} logged:\n{process.output()}")
-        raise
-    finally:
-        if process.proc.poll() is None:
-            process.proc.kill()
-            process.proc.communicate()
+def worker_process(dsn: str, *args: str) -> AbstractContextManager[WorkerProcess]:
+    """A worker process serving this module's workflows."""
+    return app_worker_process(dsn, *args, app="tests.test_worker_under_failure")
 
 
 def _run_row_locked(db: psycopg.Connection[Any], run_id: str) -> bool:
@@ -126,7 +100,7 @@ def test_sigterm_during_a_transactional_step_s_sql_releases_the_run_at_once(
         wait_for(lambda: _in_report(db), what="the step's SQL running")
         leaving.proc.send_signal(signal.SIGTERM)
         assert leaving.proc.wait(15) == 0
-        log = leaving.output()
+        log = leaving.kill()
     # the run must be free (not locked by the dead worker's still-running SQL) and released
     time.sleep(1.0)
     assert not _run_row_locked(db, run_id), (
