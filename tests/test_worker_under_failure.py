@@ -222,6 +222,24 @@ def test_a_worker_whose_role_has_no_connection_free_waits_for_one(
     assert "cannot reach the database yet (try 2:" in caplog.text, caplog.text
 
 
+def test_a_worker_that_cannot_register_yet_waits_instead_of_exiting(
+    dsn: str, client: flowly.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between the first connection and the registration the server may restart, or another
+    release's migration may hold flowly.workers for longer than a lock timeout: the worker
+    exited with that error. It must wait as it does for its first connection."""
+    with psycopg.connect(dsn) as holder:  # its transaction stays open: the lock is held
+        holder.execute("lock table flowly.workers in exclusive mode")  # reads still pass
+        with running_worker(dsn, lease=2):
+            run_id = client.start("quick", "registered late")
+            wait_for(lambda: "could not register worker" in caplog.text, timeout=30,
+                     what="a registration refused for the lock")
+            assert client.get(run_id).status == "pending"
+            holder.rollback()
+            assert client.wait(run_id, timeout=30).status == "completed"
+    assert "due to lock timeout" in caplog.text, caplog.text
+
+
 def test_sigterm_ends_a_worker_waiting_for_its_database_at_once(dsn: str) -> None:
     """The pause between two tries is no reason to keep a stopped worker alive."""
     with app_worker_process(_dsn_at_port(dsn, _port_nothing_listens_on())) as worker:

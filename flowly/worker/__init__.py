@@ -45,9 +45,10 @@ from ..context import (
     run_write,
     serialise_output,
 )
-from ..db import Calls, translated_errors
+from ..db import Calls, is_connection_failure, is_contention, translated_errors
 from ..errors import LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
+from ..render import one_line
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
 from ..schedules import tick_statement
@@ -55,7 +56,7 @@ from ..schema import check_current, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
-from .first_connection import connect_when_reachable
+from .first_connection import connect_when_reachable, delays
 from .handoff import ClaimedRun, HandOff, ServerClock, parse_handoff
 from .heartbeat import Heartbeat, settle
 from .step_threads import StepThreads
@@ -378,6 +379,26 @@ class Worker:
             await asyncio.wait_for(self._stopping.wait(), seconds)
         return self._stopping.is_set()
 
+    async def _register(self) -> bool:
+        """Enter flowly.workers; False if the worker was stopped first. A failure time may
+        mend (the server restarting since the first connection, the table locked by another
+        release's migration) is waited for as the first connection is (first_connection);
+        any other refusal (a role that may not register) ends the worker."""
+        params = (self.worker_id, list(self.workflows), self.queues,
+                  timedelta(seconds=self.lease))
+        for delay in delays():
+            try:
+                await self._call(self._calls.register_worker, params)
+                return True
+            except Exception as exc:
+                if not (is_connection_failure(exc) or is_contention(exc)):
+                    raise
+                logger.warning("could not register worker %s yet (%s); trying again in %.1f s",
+                               self.worker_id, one_line(str(exc)), delay)
+            if await self._stopped_within(delay):
+                return False
+        raise AssertionError("delays() never ends")
+
     async def _unregister(self) -> None:
         """Leave flowly.workers, also after a shutdown that was cut short: a row left behind
         looks like a live worker to dashboards and to poison detection until it expires."""
@@ -418,10 +439,8 @@ class Worker:
         background: list[asyncio.Task[None]] = []
         heartbeat: Heartbeat | None = None
         try:
-            await self._call(
-                self._calls.register_worker,
-                (self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease)),
-            )
+            if not await self._register():
+                return
             logger.info("worker %s serving %s on queues %s (concurrency %d)", self.worker_id,
                         ", ".join(self.workflows), ", ".join(self.queues), self.concurrency)
             heartbeat = Heartbeat(
