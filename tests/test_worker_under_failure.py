@@ -252,21 +252,25 @@ def test_sigterm_ends_a_worker_waiting_for_its_database_at_once(dsn: str) -> Non
     assert "cannot reach the database yet" in output, output
 
 
-def test_a_worker_given_a_database_that_does_not_exist_exits_at_once_naming_it(
-    dsn: str
+@pytest.mark.parametrize(("change", "error"), [
+    ({"dbname": "flowly_no_such_database"},
+     'database "flowly_no_such_database" does not exist'),
+    ({"port": "54x2"}, 'invalid integer value "54x2" for connection option "port"'),
+])
+def test_a_worker_given_a_dsn_that_waiting_cannot_mend_exits_at_once_naming_why(
+    dsn: str, change: dict[str, str], error: str
 ) -> None:
-    """Waiting cannot mend a refusal from a server that answered: a mistyped database name
-    must fail loudly, not loop."""
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    params["dbname"] = "flowly_no_such_database"
+    """Waiting cannot mend a refusal from a server that answered, nor a DSN libpq finds
+    invalid: a mistyped database name or port must fail loudly, not loop."""
+    params = {**psycopg.conninfo.conninfo_to_dict(dsn), **change}
     with app_worker_process(psycopg.conninfo.make_conninfo(**params)) as worker:
         try:
             worker.proc.wait(20)
         except subprocess.TimeoutExpired:
-            pytest.fail("a worker given a database that does not exist kept running")
+            pytest.fail(f"a worker given {change} kept running")
         output = worker.stop()
     assert worker.proc.returncode == 1, output
-    assert 'database "flowly_no_such_database" does not exist' in output, output
+    assert error in output, output
     assert "cannot reach the database yet" not in output, output
 
 

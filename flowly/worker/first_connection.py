@@ -7,8 +7,8 @@ listens yet, no route, a host name that does not resolve yet, the server startin
 shutting down, no connection slot free, a role's connection limit reached) is logged and
 tried again, 0.5 s after the first and doubling up to 10 s, until a try succeeds or the
 worker is stopped. A refusal that waiting cannot mend (the database or the role does not
-exist, authentication failed) is raised at once, so a mistyped DSN fails loudly instead of
-looping.
+exist, authentication failed, an option libpq finds invalid) is raised at once, so a
+mistyped DSN fails loudly instead of looping.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def waiting_may_mend(exc: psycopg.OperationalError) -> bool:
     if exc.sqlstate is not None:  # a query failed on an open connection: not a connect
         return False
     text = str(exc)
+    if "invalid " in text:  # libpq refused the DSN itself (a port that is not a number...)
+        return False
     if "FATAL:" not in text:  # no server answered
         return True
     return any(reason in text for reason in _REFUSALS_FOR_NOW)
