@@ -9,6 +9,7 @@ from .client import AsyncClient, Client, Run, Step
 from .context import Context, Interrupt, SleepInterrupt
 from .errors import (
     ChildFailed,
+    DatabaseTimeout,
     EventTimeout,
     FlowlyError,
     InvalidArgument,
@@ -38,6 +39,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Context",
+    "DatabaseTimeout",
     "FlowlyError",
     "Interrupt",
     "InvalidArgument",

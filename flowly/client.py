@@ -7,6 +7,7 @@ and so commits or rolls back with the caller's transaction.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -22,7 +23,14 @@ from psycopg.rows import dict_row
 
 from .bounded_calls import Cutoff, within
 from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
-from .errors import InvalidArgument, InvalidState, RunNotFound, RunTimeout
+from .errors import (
+    DatabaseTimeout,
+    FlowlyError,
+    InvalidArgument,
+    InvalidState,
+    RunNotFound,
+    RunTimeout,
+)
 from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
 from .workflow import WorkflowFn, lookup, start_params
 
@@ -167,6 +175,24 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
 _ANSWER_GRACE = 1.0
 
 
+def _client_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise InvalidArgument(f"timeout must be a positive number of seconds or None,"
+                              f" got {timeout!r}")
+    return timeout
+
+
+def _connect_bound(timeout: float | None) -> dict[str, Any]:
+    """libpq's bound on opening a connection for a client with this timeout (whole seconds,
+    2 at least: libpq's own floor)."""
+    return {} if timeout is None else {"connect_timeout": max(2, math.ceil(timeout))}
+
+
+def _unanswered_message(timeout: float) -> str:
+    return (f"the database did not answer within the client's timeout ({timeout:g}s); whether"
+            " the call took effect is unknown: make it again once the database answers")
+
+
 def _silent_message(run_id: str, timeout: float) -> str:
     return (f"run {run_id}: the database did not answer within {timeout}s"
             f" (and {_ANSWER_GRACE:g}s of grace)")
@@ -261,21 +287,31 @@ def list_runs_query(
 
 
 class Client:
-    """Blocking client over one autocommit connection (opened lazily)."""
+    """Blocking client over one autocommit connection (opened lazily).
 
-    def __init__(self, dsn: str | None = None, *, schema: str = "flowly") -> None:
+    ``timeout``: how many seconds a call may wait for the database (None, the default: as
+    long as it takes). A call on the client's own connection that is not answered in time
+    (the server, a pooler or the path to them hangs) raises :class:`DatabaseTimeout` and the
+    connection is dropped, to be opened again by the next call. Calls made in the caller's
+    transaction (``conn=``) are the caller's to bound; :meth:`wait` takes its own timeout.
+    """
+
+    def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
+                 timeout: float | None = None) -> None:
         if dsn is None:
             from .config import resolve_dsn
 
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
+        self.timeout = _client_timeout(timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
-        # libpq options bounding the connections opened now (a wait with a timeout)
-        self._connect_bound: dict[str, Any] = {}
+        # libpq options bounding the connections opened now (the client's timeout, or a
+        # wait's)
+        self._connect_bound: dict[str, Any] = _connect_bound(self.timeout)
 
     def __enter__(self) -> Client:
         return self
@@ -298,11 +334,27 @@ class Client:
 
     def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
                ) -> list[dict[str, Any]]:
-        with translated_errors():
-            if conn is None:
-                return self.connection.execute(query, params).fetchall()
-            with conn.cursor(row_factory=dict_row) as cursor:
+        if conn is not None:
+            with translated_errors(), conn.cursor(row_factory=dict_row) as cursor:
                 return cursor.execute(query, params).fetchall()
+        if self.timeout is None:
+            with translated_errors():
+                return self.connection.execute(query, params).fetchall()
+        deadline = time.monotonic() + self.timeout
+        with Cutoff(lambda: (self._conn,)) as cutoff:
+            cutoff.arm(self.timeout)
+            try:
+                with translated_errors():
+                    return self.connection.execute(query, params).fetchall()
+            except psycopg.OperationalError as exc:
+                if not (cutoff.expired or time.monotonic() >= deadline):
+                    raise
+                silence = exc
+        # disarmed: the connection may be closed now
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        raise DatabaseTimeout(_unanswered_message(self.timeout)) from silence
 
     def start(
         self,
@@ -383,7 +435,7 @@ class Client:
                     self.close()
                     raise RunTimeout(_silent_message(run_id, timeout)) from exc
         finally:
-            self._connect_bound = {}
+            self._connect_bound = _connect_bound(self.timeout)
 
     def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
         pauses = _poll_pauses(timeout)
@@ -504,15 +556,17 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio twin of :class:`Client`."""
+    """The asyncio twin of :class:`Client` (``timeout`` likewise)."""
 
-    def __init__(self, dsn: str | None = None, *, schema: str = "flowly") -> None:
+    def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
+                 timeout: float | None = None) -> None:
         if dsn is None:
             from .config import resolve_dsn
 
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
+        self.timeout = _client_timeout(timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
@@ -531,14 +585,31 @@ class AsyncClient:
 
     async def _fetch(self, query: Any, params: Any,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
+        if conn is not None:
+            with translated_errors():
+                async with conn.cursor(row_factory=dict_row) as cursor:
+                    return await (await cursor.execute(query, params)).fetchall()
+        if self.timeout is None:
+            return await self._fetch_own(query, params)
+        try:
+            return await within(self.timeout, self._fetch_own(query, params))
+        except TimeoutError as exc:
+            if isinstance(exc, FlowlyError):
+                raise
+            if self._conn is not None:
+                with contextlib.suppress(psycopg.Error, OSError):
+                    await self._conn.close()
+                self._conn = None
+            raise DatabaseTimeout(_unanswered_message(self.timeout)) from exc
+
+    async def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
+        """A call on the client's own connection, opened if need be."""
         with translated_errors():
-            if conn is None:
-                if self._conn is None or self._conn.closed:
-                    self._conn = await psycopg.AsyncConnection.connect(
-                        self.dsn, autocommit=True, row_factory=dict_row)
-                return await (await self._conn.execute(query, params)).fetchall()
-            async with conn.cursor(row_factory=dict_row) as cursor:
-                return await (await cursor.execute(query, params)).fetchall()
+            if self._conn is None or self._conn.closed:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.dsn, autocommit=True, row_factory=dict_row,
+                    **_connect_bound(self.timeout))
+            return await (await self._conn.execute(query, params)).fetchall()
 
     async def start(
         self,
@@ -594,7 +665,7 @@ class AsyncClient:
         try:
             return await within(timeout + _ANSWER_GRACE, self._wait(run_id, wanted, timeout))
         except TimeoutError as exc:
-            if isinstance(exc, RunTimeout):
+            if isinstance(exc, FlowlyError):  # RunTimeout, or DatabaseTimeout of one call
                 raise
             await self.close()
             raise RunTimeout(_silent_message(run_id, timeout)) from exc

@@ -95,6 +95,15 @@ class RunTimeout(FlowlyError, TimeoutError):
     """A wait for a run ended before the run reached the awaited status."""
 
 
+class DatabaseTimeout(FlowlyError, TimeoutError):
+    """The database did not answer a client's call within the client's ``timeout``.
+
+    Whether the call took effect is unknown (the server may have committed it and hung
+    before answering): make it again once the database answers; a start with a ``run_id``
+    returns the run it already made.
+    """
+
+
 _BY_SQLSTATE: dict[str, type[FlowlyError]] = {
     "WF001": LeaseLost,
     "WF002": RunNotFound,

@@ -148,6 +148,56 @@ def test_client_wait_with_a_timeout_returns_in_time_while_the_database_hangs(
     assert isinstance(outcome.get("error"), (flowly.RunTimeout, psycopg.OperationalError)), outcome
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_client_with_a_timeout_gives_up_on_a_hung_database_and_works_once_it_answers(
+    dsn: str, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """Client(timeout=1): a call on a database that stops answering raises DatabaseTimeout in
+    about that time instead of blocking its caller (a web request starting a run) for as
+    long as the database hangs. Once it answers, the same client works again, and a start
+    made again with its run_id returns the run the lost call may have made after all."""
+    import asyncio
+
+    import tests.workflows  # noqa: F401  (registers "quick")
+    loop = asyncio.new_event_loop()
+    with freezable_proxy(dsn) as proxy:
+        if kind == "sync":
+            client = flowly.Client(proxy.dsn, timeout=1)
+            call: Any = client.start
+        else:
+            async_client = flowly.AsyncClient(proxy.dsn, timeout=1)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return loop.run_until_complete(async_client.start(*args, **kwargs))
+        before = call("quick", 1)  # the client's connection is open
+        proxy.freeze()
+        thread, outcome = in_thread(call, "quick", 2, run_id=f"hung-start-{kind}")
+        thread.join(10)
+        hung = thread.is_alive()
+        proxy.thaw()
+        thread.join(15)
+        assert not hung, "start on a client with timeout=1 still blocked 10s into the hang"
+        assert isinstance(outcome.get("error"), flowly.DatabaseTimeout), outcome
+        assert outcome["took"] < 4.0, outcome
+        assert "did not answer within the client's timeout (1s)" in str(outcome["error"])
+        assert call("quick", 2, run_id=f"hung-start-{kind}") == f"hung-start-{kind}"
+        if kind == "sync":
+            assert client.get(before).id == before
+            client.close()
+        else:
+            assert loop.run_until_complete(async_client.get(before)).id == before
+            loop.run_until_complete(async_client.close())
+    loop.close()
+    assert scalar(db, "select count(*) from flowly.runs where id = %s", f"hung-start-{kind}") == 1
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_a_client_timeout_must_be_a_positive_number_of_seconds(dsn: str, timeout: float) -> None:
+    for make in (flowly.Client, flowly.AsyncClient):
+        with pytest.raises(flowly.InvalidArgument, match="timeout must be a positive number"):
+            make(dsn, timeout=timeout)
+
+
 # -- the heartbeat --------------------------------------------------------------------------
 
 
