@@ -36,6 +36,7 @@ from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
 from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, translated_errors
 from .errors import (
+    DatabaseTimeout,
     InvalidArgument,
     InvalidState,
     RunNotFound,
@@ -75,7 +76,11 @@ class CliError(Exception):
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.dsn, schema=args.schema)
+    timeout = args.db_timeout
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise CliError(f"--db-timeout must be a positive number of seconds, got {timeout:g}",
+                       EXIT_USAGE)
+    return Client(args.dsn, schema=args.schema, timeout=timeout)
 
 
 def _print_json(value: Any) -> None:
@@ -616,6 +621,9 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> N
                         help="flowly's schema (default: flowly)")
     parser.add_argument("--json", action="store_true", default=default(False),
                         help="machine-readable output")
+    parser.add_argument("--db-timeout", type=float, default=default(None), metavar="SECONDS",
+                        help="give up (exit 1) on a database that does not answer a call"
+                             " within SECONDS (default: wait as long as it takes)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -784,6 +792,8 @@ def _run(args: argparse.Namespace) -> int:
     except (InvalidState, InvalidArgument) as exc:
         code = EXIT_USAGE if isinstance(exc, InvalidArgument) else EXIT_FAILED
         raise CliError(str(exc), code) from None
+    except DatabaseTimeout as exc:
+        raise CliError(str(exc)) from None
     except SchemaNotInstalled:
         raise CliError(f"flowly is not installed in schema {quote_ident(args.schema)} of this"
                        " database; run `flowly install`") from None

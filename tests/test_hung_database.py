@@ -191,6 +191,26 @@ def test_a_client_with_a_timeout_gives_up_on_a_hung_database_and_works_once_it_a
     assert scalar(db, "select count(*) from flowly.runs where id = %s", f"hung-start-{kind}") == 1
 
 
+def test_the_command_line_with_a_db_timeout_gives_up_on_a_hung_database(dsn: str) -> None:
+    """`flowly --db-timeout 1 runs` (a script's or an operator's) exits 1 with one line
+    saying the database did not answer, instead of hanging with it; `--db-timeout 0` is a
+    bad invocation."""
+    from tests.test_cli import flowly as flowly_cli
+    from tests.test_cli import one_error_line
+
+    with freezable_proxy(dsn) as proxy:
+        proxy.freeze()
+        started = time.monotonic()
+        result = flowly_cli("--db-timeout", "1", "runs", dsn=proxy.dsn, timeout=30)
+        took = time.monotonic() - started
+        proxy.thaw()
+    line = one_error_line(result, 1)
+    assert "did not answer within the client's timeout (1s)" in line, line
+    assert took < 15, f"took {took:.1f}s"
+    line = one_error_line(flowly_cli("--db-timeout", "0", "runs", dsn=dsn), 2)
+    assert line == "error: --db-timeout must be a positive number of seconds, got 0", line
+
+
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
 def test_a_client_timeout_must_be_a_positive_number_of_seconds(dsn: str, timeout: float) -> None:
     for make in (flowly.Client, flowly.AsyncClient):
