@@ -347,7 +347,10 @@ class Client:
                 with translated_errors():
                     return self.connection.execute(query, params).fetchall()
             except psycopg.OperationalError as exc:
-                if not (cutoff.expired or time.monotonic() >= deadline):
+                # cut off, or a connection that could not be made in time (libpq's
+                # connect_timeout counts whole seconds); an error the server sent is its own
+                late = exc.sqlstate is None and time.monotonic() >= deadline
+                if not (cutoff.expired or late):
                     raise
                 silence = exc
         # disarmed: the connection may be closed now
