@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from . import __version__
-from .client import Client, Run
+from .client import Client, Run, client_timeout
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
 from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, translated_errors
@@ -76,10 +76,8 @@ class CliError(Exception):
 
 
 def _client(args: argparse.Namespace) -> Client:
-    timeout = args.db_timeout
-    if timeout is not None and not 0 < timeout < float("inf"):
-        raise CliError(f"--db-timeout must be a positive number of seconds, got {timeout:g}",
-                       EXIT_USAGE)
+    # named as the option, a bad value exits as a bad invocation (InvalidArgument, see _run)
+    timeout = client_timeout(args.db_timeout, "--db-timeout")
     return Client(args.dsn, schema=args.schema, timeout=timeout)
 
 

@@ -175,10 +175,13 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
 _ANSWER_GRACE = 1.0
 
 
-def _client_timeout(timeout: float | None) -> float | None:
+def client_timeout(timeout: float | None, name: str = "timeout") -> float | None:
+    """``timeout`` if it is None or a positive finite number of seconds, else
+    :class:`InvalidArgument` naming it as ``name`` (the command line's option, say)."""
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise InvalidArgument(f"timeout must be a positive number of seconds or None,"
-                              f" got {timeout!r}")
+        raise InvalidArgument(f"{name} must be a positive number of seconds, got {timeout:g}"
+                              if isinstance(timeout, (int, float))
+                              else f"{name} must be a positive number of seconds, got {timeout!r}")
     return timeout
 
 
@@ -304,7 +307,7 @@ class Client:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = _client_timeout(timeout)
+        self.timeout = client_timeout(timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
@@ -569,7 +572,7 @@ class AsyncClient:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = _client_timeout(timeout)
+        self.timeout = client_timeout(timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
