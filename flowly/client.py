@@ -196,6 +196,29 @@ def _unanswered_message(timeout: float) -> str:
             " the call took effect is unknown: make it again once the database answers")
 
 
+# The client's own connection has the server end a statement still running at the client's
+# timeout (most often one waiting for a lock an open transaction holds), so that the call
+# takes no effect, rather than one the client gave up on committing later. The client itself
+# gives up _ANSWER_GRACE later, on a server that does not answer at all.
+_BOUND_STATEMENTS = "select set_config('statement_timeout', %s, false)"
+
+
+def _statement_timeout(timeout: float) -> str:
+    return f"{math.ceil(timeout * 1000)}ms"
+
+
+def _ended_by_timeout(exc: psycopg.Error) -> bool:
+    """Whether the server ended the statement at the client's timeout (statement_timeout)."""
+    return (isinstance(exc, psycopg.errors.QueryCanceled)
+            and "statement timeout" in (exc.diag.message_primary or ""))
+
+
+def _ended_message(timeout: float) -> str:
+    return (f"the database did not complete the call within the client's timeout"
+            f" ({timeout:g}s) and ended it (it was most likely waiting for a lock another"
+            " session holds): the call took no effect; make it again")
+
+
 def _silent_message(run_id: str, timeout: float) -> str:
     return (f"run {run_id}: the database did not answer within {timeout}s"
             f" (and {_ANSWER_GRACE:g}s of grace)")
@@ -293,10 +316,13 @@ class Client:
     """Blocking client over one autocommit connection (opened lazily).
 
     ``timeout``: how many seconds a call may wait for the database (None, the default: as
-    long as it takes). A call on the client's own connection that is not answered in time
-    (the server, a pooler or the path to them hangs) raises :class:`DatabaseTimeout` and the
-    connection is dropped, to be opened again by the next call. Calls made in the caller's
-    transaction (``conn=``) are the caller's to bound; :meth:`wait` takes its own timeout.
+    long as it takes). A call on the client's own connection not done in time raises
+    :class:`DatabaseTimeout`: the server ends a statement still running at the timeout (its
+    ``statement_timeout`` is set on that connection), so the call took no effect; a database
+    that does not answer at all (the server, a pooler or the path to them hangs) is given up
+    a second later, and the connection dropped, to be opened again by the next call. Calls
+    made in the caller's transaction (``conn=``) are the caller's to bound; :meth:`wait`
+    takes its own timeout.
     """
 
     def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
@@ -309,6 +335,8 @@ class Client:
         self.calls = Calls(schema)
         self.timeout = client_timeout(timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
+        self._bounded: psycopg.Connection[Any] | None = None
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
@@ -330,10 +358,15 @@ class Client:
 
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
-                                         **self._connect_bound)
-        return self._conn
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
+                                                **self._connect_bound)
+        if self.timeout is not None and self._bounded is not conn:
+            # made on self._conn, so that a caller's Cutoff can cut it off if it hangs
+            conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
+            self._bounded = conn
+        return conn
 
     def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
                ) -> list[dict[str, Any]]:
@@ -345,10 +378,14 @@ class Client:
                 return self.connection.execute(query, params).fetchall()
         deadline = time.monotonic() + self.timeout
         with Cutoff(lambda: (self._conn,)) as cutoff:
-            cutoff.arm(self.timeout)
+            cutoff.arm(self.timeout + _ANSWER_GRACE)
             try:
                 with translated_errors():
                     return self.connection.execute(query, params).fetchall()
+            except psycopg.errors.QueryCanceled as exc:
+                if _ended_by_timeout(exc):
+                    raise DatabaseTimeout(_ended_message(self.timeout)) from exc
+                raise
             except psycopg.OperationalError as exc:
                 # cut off, or a connection that could not be made in time (libpq's
                 # connect_timeout counts whole seconds); an error the server sent is its own
@@ -574,6 +611,7 @@ class AsyncClient:
         self.calls = Calls(schema)
         self.timeout = client_timeout(timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        self._bounded: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
         self._warned: dict[tuple[str, str], float] = {}
 
@@ -598,7 +636,11 @@ class AsyncClient:
         if self.timeout is None:
             return await self._fetch_own(query, params)
         try:
-            return await within(self.timeout, self._fetch_own(query, params))
+            return await within(self.timeout + _ANSWER_GRACE, self._fetch_own(query, params))
+        except psycopg.errors.QueryCanceled as exc:
+            if _ended_by_timeout(exc):
+                raise DatabaseTimeout(_ended_message(self.timeout)) from exc
+            raise
         except TimeoutError as exc:
             if isinstance(exc, FlowlyError):
                 raise
@@ -611,11 +653,15 @@ class AsyncClient:
     async def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, opened if need be."""
         with translated_errors():
-            if self._conn is None or self._conn.closed:
-                self._conn = await psycopg.AsyncConnection.connect(
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = await psycopg.AsyncConnection.connect(
                     self.dsn, autocommit=True, row_factory=dict_row,
                     **_connect_bound(self.timeout))
-            return await (await self._conn.execute(query, params)).fetchall()
+            if self.timeout is not None and self._bounded is not conn:
+                await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
+                self._bounded = conn
+            return await (await conn.execute(query, params)).fetchall()
 
     async def start(
         self,

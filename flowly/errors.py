@@ -96,11 +96,14 @@ class RunTimeout(FlowlyError, TimeoutError):
 
 
 class DatabaseTimeout(FlowlyError, TimeoutError):
-    """The database did not answer a client's call within the client's ``timeout``.
+    """A client's call was not done within the client's ``timeout``.
 
-    Whether the call took effect is unknown (the server may have committed it and hung
-    before answering): make it again once the database answers; a start with a ``run_id``
-    returns the run it already made.
+    Either the server ended the statement at the timeout (it waited, most often for a lock
+    another session holds): the call took no effect, as the message says; or the database
+    did not answer at all, and the client gave up a second later: whether the call took
+    effect is then unknown (the server may have committed it and hung before answering), so
+    make it again once the database answers; a start with a ``run_id`` returns the run it
+    already made.
     """
 
 

@@ -191,6 +191,44 @@ def test_a_client_with_a_timeout_gives_up_on_a_hung_database_and_works_once_it_a
     assert scalar(db, "select count(*) from flowly.runs where id = %s", f"hung-start-{kind}") == 1
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_client_call_behind_a_held_lock_ends_at_the_client_s_timeout_having_done_nothing(
+    dsn: str, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """Client(timeout=1).cancel of a run whose row an operator's open transaction holds: the
+    database answers but the call waits for the lock. It must raise DatabaseTimeout in about
+    the timeout, saying the call took no effect, and keep that promise: the cancel must not
+    go on waiting in the server and cancel the run once the operator commits."""
+    import asyncio
+
+    import tests.workflows  # noqa: F401  (registers "quick")
+    loop = asyncio.new_event_loop()
+    if kind == "sync":
+        client = flowly.Client(dsn, timeout=1)
+        call: Any = client.cancel
+    else:
+        async_client = flowly.AsyncClient(dsn, timeout=1)
+
+        def call(*args: Any) -> Any:
+            return loop.run_until_complete(async_client.cancel(*args))
+    run_id = flowly.Client(dsn).start("quick", 1, run_id=f"held-{kind}")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        started = time.monotonic()
+        with pytest.raises(flowly.DatabaseTimeout, match="took no effect") as raised:
+            call(run_id)
+        took = time.monotonic() - started
+        time.sleep(0.5)  # a statement the server still ran would wait for the lock here
+    assert took < 3.0, f"the cancel behind a held lock took {took:.1f}s with timeout=1"
+    assert "within the client's timeout (1s)" in str(raised.value)
+    time.sleep(0.5)
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
+    assert call(run_id) == "cancelled"  # the same client works on once the row is free
+    if kind == "async":
+        loop.run_until_complete(async_client.close())
+    loop.close()
+
+
 def test_the_command_line_with_a_db_timeout_gives_up_on_a_hung_database(dsn: str) -> None:
     """`flowly --db-timeout 1 runs` (a script's or an operator's) exits 1 with one line
     saying the database did not answer, instead of hanging with it; `--db-timeout 0` is a
@@ -209,6 +247,24 @@ def test_the_command_line_with_a_db_timeout_gives_up_on_a_hung_database(dsn: str
     assert took < 15, f"took {took:.1f}s"
     line = one_error_line(flowly_cli("--db-timeout", "0", "runs", dsn=dsn), 2)
     assert line == "error: --db-timeout must be a positive number of seconds, got 0", line
+
+
+def test_the_command_line_with_a_db_timeout_ends_a_cancel_behind_a_held_lock(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """`flowly --db-timeout 1 cancel RUN` while an operator's transaction holds the run's row:
+    exit 1 saying the call took no effect, and the run is not cancelled afterwards."""
+    import tests.workflows  # noqa: F401  (registers "quick")
+    from tests.test_cli import flowly as flowly_cli
+    from tests.test_cli import one_error_line
+    run_id = flowly.Client(dsn).start("quick", 1, run_id="held-by-an-operator")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        line = one_error_line(flowly_cli("--db-timeout", "1", "cancel", run_id, dsn=dsn), 1)
+    assert "did not complete the call within the client's timeout (1s)" in line, line
+    assert "took no effect" in line, line
+    time.sleep(0.5)
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
 
 
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
