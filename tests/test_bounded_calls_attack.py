@@ -59,10 +59,12 @@ class _HangNextConnectionProxy(FreezableProxy):
     said it is ready (its login done): the connect succeeds, its first statement never
     answers (a pooler handing out a stuck server connection)."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, connections_to_hang: int = 1) -> None:
         super().__init__(dsn)
         self.hang_next = threading.Event()
         self.hung_one = threading.Event()
+        self._left_to_hang = connections_to_hang
+        self._counting = threading.Lock()
 
     def _pump(self, pair: Any, source: socket.socket, sink: socket.socket) -> None:
         if source is pair.client:  # client -> server
@@ -82,7 +84,10 @@ class _HangNextConnectionProxy(FreezableProxy):
         return None
 
     def _pump_requests(self, pair: Any, source: socket.socket, sink: socket.socket) -> None:
-        if self.hang_next.is_set() and not self.hung_one.is_set():
+        with self._counting:
+            hang = self.hang_next.is_set() and self._left_to_hang > 0
+            self._left_to_hang -= hang
+        if hang:
             self.hung_one.set()
             pair.ready = threading.Event()
         with contextlib.suppress(OSError):
@@ -180,3 +185,39 @@ def test_a_stop_while_a_new_pool_connection_hangs_in_its_session_setup_ends_in_t
     assert run_returned, "the worker did not log that it stopped"
     assert ended - run_returned[0] < 3, (
         f"the event loop's teardown after run() returned took {ended - run_returned[0]:.1f}s")
+
+
+def test_sync_transactional_steps_run_on_although_new_connections_hang_at_their_setup(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    """A sync transactional step opens the worker's pool for sync functions; its first
+    connections log in, then their session setup (session.configure) never answers (a
+    pooler handing out stuck server connections). The pool opens connections in a few
+    threads of its own: a setup nobody bounds holds one for ever, and once every one is held
+    no sync transactional step of the worker can run again. The setups must be given up, and
+    the run must complete on a connection that answers."""
+    import tests.workflows  # registers "transfer"
+    db.execute(tests.workflows.ACCOUNTS_TABLE)
+    db.execute("insert into public.accounts values ('a', 1000), ('b', 1000)")
+    proxy = _HangNextConnectionProxy(dsn, connections_to_hang=3)
+    try:
+        if proxy.upstream_is_unix_socket:
+            pytest.skip("the server (reached over a unix socket) sees no client port")
+        with running_worker(make_conninfo(proxy.dsn, sslmode="disable"), lease=2):
+            wait_for(lambda: db.execute("select count(*) = 1 from flowly.workers"
+                                        ).fetchone() == (True,), what="the worker registered")
+            proxy.hang_next.set()
+            run_id = client.start("transfer", {"from": "a", "to": "b", "amount": 30})
+            try:
+                run = client.wait(run_id, timeout=60)
+            except flowly.RunTimeout:
+                run = client.get(run_id)
+            proxy.release_all()
+    finally:
+        proxy.close()
+    assert proxy.hung_one.is_set()
+    assert run.status == "completed", (
+        f"the run ended {run.status} ({run.error and run.error.get('type')}),"
+        f" {run.takeovers} takeovers counted")
+    assert db.execute("select balance from public.accounts order by name").fetchall() == [
+        (970,), (1030,)]

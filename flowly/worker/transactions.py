@@ -218,9 +218,16 @@ class Transactions:
                 self._sync_pool = ConnectionPool(
                     self._dsn, min_size=0, max_size=self._max_connections,
                     kwargs=session.connection_kwargs(lease), name="flowly-transactions",
-                    configure=lambda conn: session.configure(conn, lease), open=True,
-                    timeout=max(lease, 5.0))
+                    configure=self._configure, open=True, timeout=max(lease, 5.0))
             return self._sync_pool
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """A new connection's session setup, cut off if it does not answer in time: the pool
+        opens connections in a few threads of its own, and a setup left hanging (a pooler's
+        stuck server connection) holds one of them for ever."""
+        with Cutoff(conn) as cutoff:
+            cutoff.arm(self._call_timeout)
+            session.configure(conn, self._lease)
 
 
 def _failure_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
