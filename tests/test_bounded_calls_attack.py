@@ -105,6 +105,20 @@ class _HangNextConnectionProxy(FreezableProxy):
 
 
 
+def _ended_or_as_it_stands(client: flowly.Client, run_id: str, timeout: float) -> flowly.Run:
+    """The run once it ended, or as it stands after ``timeout`` seconds."""
+    try:
+        return client.wait(run_id, timeout=timeout)
+    except flowly.RunTimeout:
+        return client.get(run_id)
+
+
+def _assert_completed(run: flowly.Run, detail: str = "") -> None:
+    assert run.status == "completed", (
+        f"the run ended {run.status} ({run.error and run.error.get('type')}),"
+        f" {run.takeovers} takeovers counted{detail}")
+
+
 def test_a_heartbeat_whose_new_connection_hangs_at_its_session_setup_recovers(
     dsn: str, db: psycopg.Connection[Any], client: flowly.Client
 ) -> None:
@@ -129,19 +143,14 @@ def test_a_heartbeat_whose_new_connection_hangs_at_its_session_setup_recovers(
             proxy.hang_next.set()  # the next connection opened (the heartbeat's) hangs too
             proxy.hang_backend(port)
             run_id = client.start("three_steps", {"step_seconds": 5})
-            try:
-                run = client.wait(run_id, timeout=40)
-            except flowly.RunTimeout:
-                run = client.get(run_id)
+            run = _ended_or_as_it_stands(client, run_id, timeout=40)
             proxy.release_all()
     finally:
         proxy.close()
     assert proxy.hung_one.is_set()
     effects = db.execute("select step, count(*) from public.test_effects where run_id = %s"
                          " group by step order by step", (run_id,)).fetchall()
-    assert run.status == "completed", (
-        f"the run ended {run.status} ({run.error and run.error.get('type')}),"
-        f" {run.takeovers} takeovers counted; steps executed: {effects}")
+    _assert_completed(run, f"; steps executed: {effects}")
 
 
 def test_a_stop_while_a_new_pool_connection_hangs_in_its_session_setup_ends_in_time(
@@ -208,16 +217,11 @@ def test_sync_transactional_steps_run_on_although_new_connections_hang_at_their_
                                         ).fetchone() == (True,), what="the worker registered")
             proxy.hang_next.set()
             run_id = client.start("transfer", {"from": "a", "to": "b", "amount": 30})
-            try:
-                run = client.wait(run_id, timeout=60)
-            except flowly.RunTimeout:
-                run = client.get(run_id)
+            run = _ended_or_as_it_stands(client, run_id, timeout=60)
             proxy.release_all()
     finally:
         proxy.close()
     assert proxy.hung_one.is_set()
-    assert run.status == "completed", (
-        f"the run ended {run.status} ({run.error and run.error.get('type')}),"
-        f" {run.takeovers} takeovers counted")
+    _assert_completed(run)
     assert db.execute("select balance from public.accounts order by name").fetchall() == [
         (970,), (1030,)]

@@ -115,17 +115,26 @@ def test_transfers_stay_exact_while_workers_are_killed(
                      run_id=f"tx-{i}")
         client.start("transfer_untransacted", {"from": "c", "to": "d", "amount": 1,
                                                "pause": 0.05}, run_id=f"plain-{i}")
+    def steps_taken() -> int:
+        return int(scalar(accounts, "select count(*) from flowly.steps"))
+
+    def all_completed() -> bool:
+        return bool(scalar(accounts, "select count(*) = %s from flowly.runs"
+                                     " where status = 'completed'", 2 * n))
+
     chance = random.Random(7)
     kills = 0
     while kills < 30:
+        taken = steps_taken()
         with worker_process(dsn, "--lease", "0.5", "--concurrency", "16") as worker:
-            time.sleep(chance.uniform(0.3, 0.8))
+            # killed at work, not while it starts up (which takes longer on a loaded machine)
+            wait_for(lambda: steps_taken() > taken or all_completed(), timeout=30,  # noqa: B023
+                     what="the worker at work")
+            time.sleep(chance.uniform(0.0, 0.4))
             worker.kill()
         kills += 1
     with worker_process(dsn, "--lease", "0.5", "--concurrency", "32"):
-        wait_for(lambda: scalar(accounts, "select count(*) = %s from flowly.runs"
-                                          " where status = 'completed'", 2 * n),
-                 timeout=120, what="every transfer completed")
+        wait_for(all_completed, timeout=120, what="every transfer completed")
     final = balances(accounts)
     assert final["a"] == 1000 - n and final["b"] == 1000 + n, final
     assert final["c"] + final["d"] != 2000 or final["c"] < 1000 - n, final  # double-applied
