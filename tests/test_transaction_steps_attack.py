@@ -28,7 +28,9 @@ from tests.support import (
     in_thread,
     running_worker,
     scalar,
+    steps_taken,
     wait_for,
+    wait_until_at_work,
     worker_process,
 )
 from tests.workflows import _move, _move_async, record_effect
@@ -796,16 +798,19 @@ def test_parallel_transactional_steps_stay_exact_while_workers_are_killed(
         for step in ("m1", "m2", "m3"):
             db.execute("insert into public.accounts values (%s, 0)", (f"{run_id}:{step}",))
         client.start("tsa_fanout", {"pause": 0.05}, run_id=run_id)
+    def all_completed() -> bool:
+        return bool(scalar(db, "select count(*) = %s from flowly.runs"
+                               " where status = 'completed' and workflow = 'tsa_fanout'", n))
+
     chance = random.Random(20261201)
     for _ in range(4):
+        taken = steps_taken(db)
         with worker_process(dsn, "--lease", "0.5", "--concurrency", "8", *APP) as worker:
-            time.sleep(chance.uniform(0.8, 1.5))
+            wait_until_at_work(db, taken, all_completed)
+            time.sleep(chance.uniform(0.0, 0.7))
             worker.kill()
     with worker_process(dsn, "--lease", "0.5", "--concurrency", "16", *APP):
-        wait_for(lambda: scalar(db, "select count(*) = %s from flowly.runs"
-                                    " where status = 'completed' and workflow = 'tsa_fanout'",
-                                n),
-                 timeout=60, what="every run completed")
+        wait_for(all_completed, timeout=60, what="every run completed")
     final = balances(db)
     for run_id in runs:
         assert_effects_match_checkpoints(db, run_id, "m1", "m2", "m3")

@@ -12,7 +12,14 @@ import pytest
 
 import flowly
 from tests import workflows
-from tests.support import running_worker, scalar, wait_for, worker_process
+from tests.support import (
+    running_worker,
+    scalar,
+    steps_taken,
+    wait_for,
+    wait_until_at_work,
+    worker_process,
+)
 
 
 @pytest.fixture
@@ -115,9 +122,6 @@ def test_transfers_stay_exact_while_workers_are_killed(
                      run_id=f"tx-{i}")
         client.start("transfer_untransacted", {"from": "c", "to": "d", "amount": 1,
                                                "pause": 0.05}, run_id=f"plain-{i}")
-    def steps_taken() -> int:
-        return int(scalar(accounts, "select count(*) from flowly.steps"))
-
     def all_completed() -> bool:
         return bool(scalar(accounts, "select count(*) = %s from flowly.runs"
                                      " where status = 'completed'", 2 * n))
@@ -125,11 +129,9 @@ def test_transfers_stay_exact_while_workers_are_killed(
     chance = random.Random(7)
     kills = 0
     while kills < 30:
-        taken = steps_taken()
+        taken = steps_taken(accounts)
         with worker_process(dsn, "--lease", "0.5", "--concurrency", "16") as worker:
-            # killed at work, not while it starts up (which takes longer on a loaded machine)
-            wait_for(lambda: steps_taken() > taken or all_completed(), timeout=30,  # noqa: B023
-                     what="the worker at work")
+            wait_until_at_work(accounts, taken, all_completed)
             time.sleep(chance.uniform(0.0, 0.4))
             worker.kill()
         kills += 1
