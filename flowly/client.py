@@ -207,10 +207,11 @@ def _statement_timeout(timeout: float) -> str:
     return f"{math.ceil(timeout * 1000)}ms"
 
 
-def _ended_by_timeout(exc: psycopg.Error) -> bool:
-    """Whether the server ended the statement at the client's timeout (statement_timeout)."""
-    return (isinstance(exc, psycopg.errors.QueryCanceled)
-            and "statement timeout" in (exc.diag.message_primary or ""))
+def _ended_by_timeout(exc: psycopg.Error, deadline: float) -> bool:
+    """Whether the server ended the statement at the client's timeout (statement_timeout),
+    not at an operator's request: told by the time (``deadline`` on the monotonic clock),
+    since the server's words are in its language."""
+    return isinstance(exc, psycopg.errors.QueryCanceled) and time.monotonic() >= deadline
 
 
 def _ended_message(timeout: float) -> str:
@@ -383,7 +384,7 @@ class Client:
                 with translated_errors():
                     return self.connection.execute(query, params).fetchall()
             except psycopg.errors.QueryCanceled as exc:
-                if _ended_by_timeout(exc):
+                if _ended_by_timeout(exc, deadline):
                     raise DatabaseTimeout(_ended_message(self.timeout)) from exc
                 raise
             except psycopg.OperationalError as exc:
@@ -635,10 +636,11 @@ class AsyncClient:
                     return await (await cursor.execute(query, params)).fetchall()
         if self.timeout is None:
             return await self._fetch_own(query, params)
+        deadline = time.monotonic() + self.timeout
         try:
             return await within(self.timeout + _ANSWER_GRACE, self._fetch_own(query, params))
         except psycopg.errors.QueryCanceled as exc:
-            if _ended_by_timeout(exc):
+            if _ended_by_timeout(exc, deadline):
                 raise DatabaseTimeout(_ended_message(self.timeout)) from exc
             raise
         except TimeoutError as exc:

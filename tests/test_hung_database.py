@@ -229,6 +229,28 @@ def test_a_client_call_behind_a_held_lock_ends_at_the_client_s_timeout_having_do
     loop.close()
 
 
+def test_a_client_call_an_operator_cancels_before_the_timeout_is_no_timeout(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """Client(timeout=30).cancel behind a held lock, cancelled by an operator
+    (pg_cancel_backend) after half a second: the server's QueryCanceled, as without a
+    timeout, not a DatabaseTimeout claiming the client's timeout ran out."""
+    import tests.workflows  # noqa: F401  (registers "quick")
+    client = flowly.Client(dsn, timeout=30)
+    run_id = client.start("quick", 1, run_id="cancelled-by-an-operator")
+    backend = client.connection.info.backend_pid
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        thread, outcome = in_thread(client.cancel, run_id)
+        wait_for(lambda: scalar(db, "select wait_event_type = 'Lock' from pg_stat_activity"
+                                    " where pid = %s", backend), what="the cancel waiting")
+        db.execute("select pg_cancel_backend(%s)", (backend,))
+        thread.join(10)
+    assert type(outcome.get("error")) is psycopg.errors.QueryCanceled, outcome
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
+    client.close()
+
+
 def test_the_command_line_with_a_db_timeout_gives_up_on_a_hung_database(dsn: str) -> None:
     """`flowly --db-timeout 1 runs` (a script's or an operator's) exits 1 with one line
     saying the database did not answer, instead of hanging with it; `--db-timeout 0` is a
