@@ -35,7 +35,8 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 # every figure of issue 11 in one sitting (peers included), one table of ratios; the full
-# size takes about 25 minutes, CI (CI=true) or BENCH_ARGS="--size ci" about two
+# size takes 8 to 25 minutes (the machine's speed), CI (CI=true) or BENCH_ARGS="--size ci"
+# about two
 bench: $(BIN)/.peers
 	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 

@@ -8,7 +8,7 @@ ranges in brackets. Then, once: idle latency against pgqueuer's, the per-step co
 1,000-step workflow, claim cost with a large history against empty tables, and a worker's
 memory over many runs.
 
-    python bench/suite.py                 # the full size (about 25 minutes on 2 cores)
+    python bench/suite.py                 # the full size (8 to 25 minutes on 2 cores)
     python bench/suite.py --size ci       # a small size for CI (CI=true picks it too)
     python bench/suite.py --runs 5000 --repeat 2 --skip peers claim
 
