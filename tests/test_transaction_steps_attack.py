@@ -642,7 +642,9 @@ def test_a_cancel_during_an_open_step_ends_the_run_without_a_late_commit(
     dsn: str, client: flowly.Client, accounts: psycopg.Connection[Any]
 ) -> None:
     db = accounts
-    run_id = client.start("tsa_gather", {"hold": 1.5, "extras": ["step"]})
+    # held long enough that the cancel is sure to come while the step is open, also on a
+    # loaded machine (held 1.5 s, the run had once completed before the cancel was sent)
+    run_id = client.start("tsa_gather", {"hold": 3.0, "extras": ["step"]})
     with running_worker(dsn, workflows=["tsa_gather"], lease=2):
         wait_for(lambda: entered(db, run_id, "move"), what="the step's transaction open")
         status, took = timed(client.cancel, run_id)
