@@ -584,11 +584,11 @@ def test_a_transactional_step_beside_steps_sleeps_children_and_waits_commits_onc
     dsn: str, client: flowly.Client, accounts: psycopg.Connection[Any], extras: list[str],
     asynchronous: bool, isolation: str | None,
 ) -> None:
-    """asyncio.gather of a transactional step holding its transaction 1 s with an ordinary
+    """asyncio.gather of a transactional step holding its transaction 2 s with an ordinary
     step, a child start and a sleep (which releases the run under the open step) or a wait
     for an event (sent while the step is open, without waiting on it)."""
     db = accounts
-    run_id = client.start("tsa_gather", {"hold": 1.0, "extras": extras, "async": asynchronous,
+    run_id = client.start("tsa_gather", {"hold": 2.0, "extras": extras, "async": asynchronous,
                                          "isolation": isolation})
     with running_worker(dsn, workflows=["tsa_gather", "tsa_child"], lease=2):
         wait_for(lambda: entered(db, run_id, "move"), what="the step's transaction open")
@@ -711,7 +711,7 @@ def test_a_purge_during_an_open_step_does_not_wait_or_touch_it(
     with running_worker(dsn, workflows=["tsa_gather", "tsa_child"], lease=2):
         for run_id in done:
             assert client.wait(run_id, timeout=20).status == "completed"
-        run_id = client.start("tsa_gather", {"hold": 1.5, "extras": ["child"]})
+        run_id = client.start("tsa_gather", {"hold": 3.0, "extras": ["child"]})
         wait_for(lambda: entered(db, run_id, "move"), what="the step's transaction open")
         purged, took = timed(client.purge, 0)
         assert took < 1.0
