@@ -179,9 +179,8 @@ def client_timeout(timeout: float | None, name: str = "timeout") -> float | None
     """``timeout`` if it is None or a positive finite number of seconds, else
     :class:`InvalidArgument` naming it as ``name`` (the command line's option, say)."""
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise InvalidArgument(f"{name} must be a positive number of seconds, got {timeout:g}"
-                              if isinstance(timeout, (int, float))
-                              else f"{name} must be a positive number of seconds, got {timeout!r}")
+        shown = f"{timeout:g}" if isinstance(timeout, (int, float)) else repr(timeout)
+        raise InvalidArgument(f"{name} must be a positive number of seconds, got {shown}")
     return timeout
 
 

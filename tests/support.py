@@ -129,17 +129,19 @@ def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
     return None if row is None else row[0]
 
 
-def steps_taken(db: psycopg.Connection[Any]) -> int:
-    """How many step outcomes are stored: a worker's progress."""
-    return int(scalar(db, "select count(*) from flowly.steps"))
+def kill_at_work(dsn: str, db: psycopg.Connection[Any], *args: str, pause: float,
+                 done: Callable[[], bool]) -> None:
+    """Start a worker process and SIGKILL it ``pause`` seconds after it stored a step (or at
+    once when ``done``): a crash test that kills a worker on a timer from its start may, on a
+    loaded machine, kill one that has not begun work, and prove nothing."""
+    def steps() -> int:
+        return int(scalar(db, "select count(*) from flowly.steps"))
 
-
-def wait_until_at_work(db: psycopg.Connection[Any], taken: int,
-                       done: Callable[[], bool]) -> None:
-    """Wait until a step is stored beyond the ``taken`` there were before a worker started
-    (or ``done``): a crash test that kills a worker on a timer from its start may, on a loaded
-    machine, kill one that has not begun work, and prove nothing."""
-    wait_for(lambda: steps_taken(db) > taken or done(), timeout=30, what="the worker at work")
+    before = steps()
+    with worker_process(dsn, *args) as worker:
+        wait_for(lambda: steps() > before or done(), timeout=30, what="the worker at work")
+        time.sleep(pause)
+        worker.kill()
 
 
 def claim_as(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dict[str, int]:

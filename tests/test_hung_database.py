@@ -36,6 +36,29 @@ from tests.support import (
 # -- helpers --------------------------------------------------------------------------------
 
 
+class _EitherClient:
+    """flowly.Client, or flowly.AsyncClient with each call run to its end on a loop of its
+    own (from any thread): one test body for both clients."""
+
+    def __init__(self, kind: str, dsn: str, **options: Any) -> None:
+        import asyncio
+
+        self._loop = asyncio.new_event_loop() if kind == "async" else None
+        self._client: Any = (flowly.AsyncClient if self._loop else flowly.Client)(dsn, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if self._loop is None:
+            return method
+        loop = self._loop
+        return lambda *args, **kwargs: loop.run_until_complete(method(*args, **kwargs))
+
+    def close(self) -> None:
+        self.__getattr__("close")()
+        if self._loop is not None:
+            self._loop.close()
+
+
 @contextmanager
 def hanging_proxy(dsn: str) -> Iterator[FreezableProxy]:
     """A proxy whose connections are hung one by one (``hang_backend``); skips the test on a
@@ -156,22 +179,12 @@ def test_a_client_with_a_timeout_gives_up_on_a_hung_database_and_works_once_it_a
     about that time instead of blocking its caller (a web request starting a run) for as
     long as the database hangs. Once it answers, the same client works again, and a start
     made again with its run_id returns the run the lost call may have made after all."""
-    import asyncio
-
     import tests.workflows  # noqa: F401  (registers "quick")
-    loop = asyncio.new_event_loop()
     with freezable_proxy(dsn) as proxy:
-        if kind == "sync":
-            client = flowly.Client(proxy.dsn, timeout=1)
-            call: Any = client.start
-        else:
-            async_client = flowly.AsyncClient(proxy.dsn, timeout=1)
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                return loop.run_until_complete(async_client.start(*args, **kwargs))
-        before = call("quick", 1)  # the client's connection is open
+        client = _EitherClient(kind, proxy.dsn, timeout=1)
+        before = client.start("quick", 1)  # the client's connection is open
         proxy.freeze()
-        thread, outcome = in_thread(call, "quick", 2, run_id=f"hung-start-{kind}")
+        thread, outcome = in_thread(client.start, "quick", 2, run_id=f"hung-start-{kind}")
         thread.join(10)
         hung = thread.is_alive()
         proxy.thaw()
@@ -180,14 +193,9 @@ def test_a_client_with_a_timeout_gives_up_on_a_hung_database_and_works_once_it_a
         assert isinstance(outcome.get("error"), flowly.DatabaseTimeout), outcome
         assert outcome["took"] < 4.0, outcome
         assert "did not answer within the client's timeout (1s)" in str(outcome["error"])
-        assert call("quick", 2, run_id=f"hung-start-{kind}") == f"hung-start-{kind}"
-        if kind == "sync":
-            assert client.get(before).id == before
-            client.close()
-        else:
-            assert loop.run_until_complete(async_client.get(before)).id == before
-            loop.run_until_complete(async_client.close())
-    loop.close()
+        assert client.start("quick", 2, run_id=f"hung-start-{kind}") == f"hung-start-{kind}"
+        assert client.get(before).id == before
+        client.close()
     assert scalar(db, "select count(*) from flowly.runs where id = %s", f"hung-start-{kind}") == 1
 
 
@@ -199,34 +207,22 @@ def test_a_client_call_behind_a_held_lock_ends_at_the_client_s_timeout_having_do
     database answers but the call waits for the lock. It must raise DatabaseTimeout in about
     the timeout, saying the call took no effect, and keep that promise: the cancel must not
     go on waiting in the server and cancel the run once the operator commits."""
-    import asyncio
-
     import tests.workflows  # noqa: F401  (registers "quick")
-    loop = asyncio.new_event_loop()
-    if kind == "sync":
-        client = flowly.Client(dsn, timeout=1)
-        call: Any = client.cancel
-    else:
-        async_client = flowly.AsyncClient(dsn, timeout=1)
-
-        def call(*args: Any) -> Any:
-            return loop.run_until_complete(async_client.cancel(*args))
-    run_id = flowly.Client(dsn).start("quick", 1, run_id=f"held-{kind}")
+    client = _EitherClient(kind, dsn, timeout=1)
+    run_id = client.start("quick", 1, run_id=f"held-{kind}")
     with psycopg.connect(dsn) as operator:
         operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
         started = time.monotonic()
         with pytest.raises(flowly.DatabaseTimeout, match="took no effect") as raised:
-            call(run_id)
+            client.cancel(run_id)
         took = time.monotonic() - started
         time.sleep(0.5)  # a statement the server still ran would wait for the lock here
     assert took < 3.0, f"the cancel behind a held lock took {took:.1f}s with timeout=1"
     assert "within the client's timeout (1s)" in str(raised.value)
     time.sleep(0.5)
     assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
-    assert call(run_id) == "cancelled"  # the same client works on once the row is free
-    if kind == "async":
-        loop.run_until_complete(async_client.close())
-    loop.close()
+    assert client.cancel(run_id) == "cancelled"  # the same client works on once it is free
+    client.close()
 
 
 def test_a_client_call_an_operator_cancels_before_the_timeout_is_no_timeout(

@@ -26,11 +26,10 @@ from tests import workflows
 from tests.support import (
     claim_as,
     in_thread,
+    kill_at_work,
     running_worker,
     scalar,
-    steps_taken,
     wait_for,
-    wait_until_at_work,
     worker_process,
 )
 from tests.workflows import _move, _move_async, record_effect
@@ -806,11 +805,8 @@ def test_parallel_transactional_steps_stay_exact_while_workers_are_killed(
 
     chance = random.Random(20261201)
     for _ in range(4):
-        taken = steps_taken(db)
-        with worker_process(dsn, "--lease", "0.5", "--concurrency", "8", *APP) as worker:
-            wait_until_at_work(db, taken, all_completed)
-            time.sleep(chance.uniform(0.0, 0.7))
-            worker.kill()
+        kill_at_work(dsn, db, "--lease", "0.5", "--concurrency", "8", *APP,
+                     pause=chance.uniform(0.0, 0.7), done=all_completed)
     with worker_process(dsn, "--lease", "0.5", "--concurrency", "16", *APP):
         wait_for(all_completed, timeout=60, what="every run completed")
     final = balances(db)

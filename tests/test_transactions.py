@@ -12,14 +12,7 @@ import pytest
 
 import flowly
 from tests import workflows
-from tests.support import (
-    running_worker,
-    scalar,
-    steps_taken,
-    wait_for,
-    wait_until_at_work,
-    worker_process,
-)
+from tests.support import kill_at_work, running_worker, scalar, wait_for, worker_process
 
 
 @pytest.fixture
@@ -129,11 +122,8 @@ def test_transfers_stay_exact_while_workers_are_killed(
     chance = random.Random(7)
     kills = 0
     while kills < 30:
-        taken = steps_taken(accounts)
-        with worker_process(dsn, "--lease", "0.5", "--concurrency", "16") as worker:
-            wait_until_at_work(accounts, taken, all_completed)
-            time.sleep(chance.uniform(0.0, 0.4))
-            worker.kill()
+        kill_at_work(dsn, accounts, "--lease", "0.5", "--concurrency", "16",
+                     pause=chance.uniform(0.0, 0.4), done=all_completed)
         kills += 1
     with worker_process(dsn, "--lease", "0.5", "--concurrency", "32"):
         wait_for(all_completed, timeout=120, what="every transfer completed")
