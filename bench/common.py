@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -161,6 +162,24 @@ def wait_done(dsn: str, query: str, deadline: float, interval: float = 0.02,
             if on_poll is not None:
                 on_poll(conn)
             time.sleep(interval)
+
+
+class CpuMeter:
+    """CPU used from its creation to :meth:`read` by some processes (the engine's workers)
+    and by the whole machine (the server's backends too): the cost of a drain, not its
+    speed, so two engines can be compared per job as well as per second."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self._procs = [psutil.Process(pid) for pid in pids]
+        self._before = [sum(p.cpu_times()[:2]) for p in self._procs]
+        psutil.cpu_percent()  # starts the machine-wide interval
+
+    def read(self, seconds: float) -> tuple[float, float]:
+        """(the processes' CPU in cores, the machine's busy share 0..1) over ``seconds``."""
+        machine_busy = psutil.cpu_percent() / 100
+        used = sum(sum(p.cpu_times()[:2]) - before
+                   for p, before in zip(self._procs, self._before, strict=True))
+        return used / seconds, machine_busy
 
 
 @dataclass

@@ -29,7 +29,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput
-from bench.common import Child, Sample, dsn_to_url, fresh_database, ratio
+from bench.common import Child, CpuMeter, Sample, dsn_to_url, fresh_database, ratio
 from flowly.config import resolve_dsn
 
 
@@ -84,6 +84,7 @@ def drain_peer(server: str, name: str, runs: int, concurrency: int,
     child = Child(["-m", peer.module, *peer.args(dsn, runs, concurrency)])
     try:
         child.wait_ready(timeout=900)
+        cpu = CpuMeter([child.pid])
         with psycopg.connect(dsn, autocommit=True) as conn:
             started = time.perf_counter()
             child.send("go")
@@ -99,8 +100,10 @@ def drain_peer(server: str, name: str, runs: int, concurrency: int,
             if not done:
                 count = conn.execute(peer.finished).fetchone()
                 finished = count[0] if count else 0
+        result = throughput.Drain(finished, now - started, done)
+        result.worker_cores, result.machine_busy = cpu.read(result.seconds)
         child.finish()
-        return throughput.Drain(finished, now - started, done)
+        return result
     finally:
         child.kill()
 

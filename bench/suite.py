@@ -113,6 +113,8 @@ def main() -> None:
     max_conns: dict[int, int] = {}
     busy: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     peer_rates: dict[str, tuple[Sample, Sample]] = {}
+    # CPU per run, in µs: (flowly's worker, the machine), the same for the peer
+    peer_cpu: dict[str, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {}
     peer_skipped: dict[str, str] = {}
     pairs = {"dbos": "bench.three_async", "absurd": "bench.three_sync",
              "pgqueuer": "bench.one_async"}
@@ -153,6 +155,9 @@ def main() -> None:
                 p = peers.drain_peer(server, name, size["peer_runs"], two_proc_c,
                                      size["peer_timeout"])
                 theirs.add(p.rate)
+                ours_cpu, theirs_cpu = peer_cpu.setdefault(name, ([], []))
+                ours_cpu.append((d.worker_us_per_run, d.machine_us_per_run))
+                theirs_cpu.append((p.worker_us_per_run, p.machine_us_per_run))
                 note(f"{name}: flowly {d.rate:.0f} runs/s, {name} {p.rate:.0f} runs/s"
                      f"{'' if p.done else f' ({p.runs} finished in {p.seconds:.0f}s)'}")
 
@@ -205,6 +210,12 @@ def main() -> None:
                         f" {size['peer_runs']:,} runs (runs/s)", ours.fmt(),
                         f"{names[name]} {theirs.fmt()}", r, label,
                         None if want is None else r >= want))
+        ours_cpu, theirs_cpu = (
+            [statistics.median(x[i] for x in side) for i in (0, 1)] for side in peer_cpu[name])
+        rows.append(Row("  CPU per run, µs: its worker / the whole machine",
+                        f"{ours_cpu[0]:.0f} / {ours_cpu[1]:.0f}",
+                        f"{names[name].split()[0]} {theirs_cpu[0]:.0f} / {theirs_cpu[1]:.0f}",
+                        ours_cpu[1] / theirs_cpu[1]))
     for name, why in peer_skipped.items():
         rows.append(Row(f"peer {name}", "skipped", why))
 

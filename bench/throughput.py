@@ -25,7 +25,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
-from bench.common import Child, fresh_database
+from bench.common import Child, CpuMeter, fresh_database
 from flowly.config import resolve_dsn
 
 UNFINISHED = ("select not exists (select from flowly.runs"
@@ -46,6 +46,16 @@ class Drain:
     @property
     def rate(self) -> float:
         return self.runs / self.seconds
+
+    @property
+    def worker_us_per_run(self) -> float:
+        """The engine's worker processes' CPU per run finished, in microseconds."""
+        return self.worker_cores / self.rate * 1e6
+
+    @property
+    def machine_us_per_run(self) -> float:
+        """The whole machine's CPU (workers, server backends, everything else) per run."""
+        return self.machine_busy * (os.cpu_count() or 1) / self.rate * 1e6
 
 
 def prepare(dsn: str) -> None:
@@ -74,9 +84,7 @@ def drain(dsn: str, workflow: str, runs: int, concurrency: int, processes: int =
         result = Drain(runs, 0.0, False)
         last_rss = 0.0
 
-        procs = [psutil.Process(child.pid) for child in children]
-        cpu_before = [sum(p.cpu_times()[:2]) for p in procs]
-        psutil.cpu_percent()  # starts the machine-wide interval
+        cpu = CpuMeter([child.pid for child in children])
         with psycopg.connect(dsn, autocommit=True) as conn:
             started = time.perf_counter()
             for child in children:
@@ -102,11 +110,7 @@ def drain(dsn: str, workflow: str, runs: int, concurrency: int, processes: int =
                                        watched.memory_info().rss))
                 time.sleep(0.02)
             result.seconds = now - started
-            result.machine_busy = psutil.cpu_percent() / 100
-            result.worker_cores = sum(
-                sum(p.cpu_times()[:2]) - before for p, before in zip(procs, cpu_before,
-                                                                      strict=True)
-            ) / result.seconds
+            result.worker_cores, result.machine_busy = cpu.read(result.seconds)
             if not result.done:
                 row = conn.execute("select count(*) from flowly.runs"
                                    " where status = 'completed'").fetchone()
