@@ -225,6 +225,46 @@ def test_a_client_call_behind_a_held_lock_ends_at_the_client_s_timeout_having_do
     client.close()
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_client_call_whose_backend_dies_is_no_timeout_and_the_next_call_is_bounded_again(
+    dsn: str, db: psycopg.Connection[Any], kind: str
+) -> None:
+    """The server goes away under a client call with a timeout (a restart, a failover, an
+    operator's pg_terminate_backend): the caller gets the lost connection, not a
+    DatabaseTimeout claiming the client's timeout ran out, and the run is as it was. The
+    same client then calls on a new connection, and that one carries the timeout too: a
+    call behind a held lock still ends at the timeout having done nothing."""
+    import tests.workflows  # noqa: F401  (registers "quick")
+    client = _EitherClient(kind, dsn, timeout=3)
+    run_id = client.start("quick", 1, run_id=f"backend-dies-{kind}")
+    waiting = ("select pid from pg_stat_activity where datname = current_database()"
+               " and wait_event_type = 'Lock' and query like '%%cancel%%'")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        thread, outcome = in_thread(client.cancel, run_id)
+        backend = wait_for(lambda: scalar(db, waiting), what="the cancel waiting")
+        db.execute("select pg_terminate_backend(%s)", (backend,))
+        thread.join(10)
+    assert not thread.is_alive(), "the call went on after its backend was terminated"
+    error = outcome.get("error")
+    assert isinstance(error, psycopg.OperationalError), outcome
+    assert not isinstance(error, flowly.DatabaseTimeout), outcome
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
+
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        thread, outcome = in_thread(client.cancel, run_id)
+        renewed = wait_for(lambda: scalar(db, waiting), what="the cancel waiting again")
+        thread.join(10)
+    assert renewed != backend
+    assert isinstance(outcome.get("error"), flowly.DatabaseTimeout), outcome
+    assert "took no effect" in str(outcome["error"])
+    assert outcome["took"] < 6.0, outcome
+    assert scalar(db, "select status from flowly.runs where id = %s", run_id) == "pending"
+    assert client.cancel(run_id) == "cancelled"
+    client.close()
+
+
 def test_a_client_call_an_operator_cancels_before_the_timeout_is_no_timeout(
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:
