@@ -31,7 +31,7 @@ from .errors import (
     RunNotFound,
     RunTimeout,
 )
-from .schedules import Schedule, ScheduleCalls, schedule_params, to_schedule
+from .schedules import Schedule, ScheduleCalls, schedule_calls, schedule_params, to_schedule
 from .workflow import WorkflowFn, lookup, start_params
 
 logger = logging.getLogger(__name__)
@@ -595,7 +595,7 @@ class Client:
 
     @property
     def _schedule_calls(self) -> ScheduleCalls:
-        return ScheduleCalls(self.calls.schema)
+        return schedule_calls(self.calls.schema)
 
 
 class AsyncClient:
@@ -824,7 +824,7 @@ class AsyncClient:
 
     @property
     def _schedule_calls(self) -> ScheduleCalls:
-        return ScheduleCalls(self.calls.schema)
+        return schedule_calls(self.calls.schema)
 
 
 __all__ = ["AsyncClient", "Client", "Run", "Step", "StepAttempt", "Timer", "list_runs_query",

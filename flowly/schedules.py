@@ -9,13 +9,14 @@ poll interval. This module only names those calls for a schema and maps their ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
 from psycopg import sql
 
-from .db import check_schema_name, dumps_argument
+from .db import check_schema_name, dumps_argument, rendered
 from .errors import InvalidArgument
 from .workflow import WorkflowFn, lookup
 
@@ -51,29 +52,34 @@ def to_schedule(row: dict[str, Any]) -> Schedule:
 
 
 class ScheduleCalls:
-    """The schedule functions of one schema, ready to execute."""
+    """The schedule functions of one schema, rendered to SQL once (see ``db.rendered``)."""
 
     def __init__(self, schema: str) -> None:
         s = sql.Identifier(check_schema_name(schema))
-        self.schedule = sql.SQL(
+
+        def q(text: str) -> sql.SQL:
+            return rendered(sql.SQL(text).format(s=s))
+
+        self.schedule = q(
             "select * from {s}.schedule(name => %(name)s, cron => %(cron)s,"
             " workflow => %(workflow)s, input => %(input)s::jsonb, timezone => %(timezone)s,"
             " queue => %(queue)s, priority => %(priority)s, missed => %(missed)s,"
-            " overlap => %(overlap)s, max_attempts => %(max_attempts)s)").format(s=s)
-        self.unschedule = sql.SQL("select {s}.unschedule(%s) as removed").format(s=s)
-        self.pause = sql.SQL("select * from {s}.pause_schedule(%s)").format(s=s)
-        self.resume = sql.SQL("select * from {s}.resume_schedule(%s)").format(s=s)
-        self.list = sql.SQL("select * from {s}.schedules order by name").format(s=s)
-        self.cron_next = sql.SQL(
-            "select {s}.cron_next(%s, coalesce(%s::timestamptz, now()), %s) as fire_at"
-        ).format(s=s)
+            " overlap => %(overlap)s, max_attempts => %(max_attempts)s)")
+        self.unschedule = q("select {s}.unschedule(%s) as removed")
+        self.pause = q("select * from {s}.pause_schedule(%s)")
+        self.resume = q("select * from {s}.resume_schedule(%s)")
+        self.list = q("select * from {s}.schedules order by name")
+        self.cron_next = q(
+            "select {s}.cron_next(%s, coalesce(%s::timestamptz, now()), %s) as fire_at")
+        # starts the runs of the due schedules (any worker may call it at any time; the SQL
+        # takes each schedule with skip locked)
+        self.tick = q("select * from {s}.tick_schedules()")
 
 
-def tick_statement(schema: str) -> sql.Composed:
-    """``tick_schedules()`` of ``schema``: starts the runs of the due schedules (any worker
-    may call it at any time; the SQL takes each schedule with skip locked)."""
-    return sql.SQL("select * from {}.tick_schedules()").format(
-        sql.Identifier(check_schema_name(schema)))
+@functools.cache
+def schedule_calls(schema: str) -> ScheduleCalls:
+    """The schedule calls of ``schema``, made once per process."""
+    return ScheduleCalls(schema)
 
 
 def schedule_params(
@@ -101,5 +107,5 @@ def schedule_params(
     }
 
 
-__all__ = ["MISSED", "OVERLAP", "Schedule", "ScheduleCalls", "schedule_params",
-           "tick_statement", "to_schedule"]
+__all__ = ["MISSED", "OVERLAP", "Schedule", "ScheduleCalls", "schedule_calls",
+           "schedule_params", "to_schedule"]

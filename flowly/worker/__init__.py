@@ -51,7 +51,7 @@ from ..group_commit import GroupCommitter
 from ..render import one_line
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
-from ..schedules import tick_statement
+from ..schedules import schedule_calls
 from ..schema import check_current, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
@@ -464,7 +464,7 @@ class Worker:
             # time counts as missed, whatever the poll interval
             background.append(asyncio.create_task(self._periodically(
                 min(self.poll_interval, _SCHEDULE_TICK_MAX), "ticking the cron schedules",
-                partial(self._tick_schedules, tick_statement(self._calls.schema))),
+                partial(self._tick_schedules, schedule_calls(self._calls.schema).tick)),
                 name="flowly-schedules"))
             # at most once a second: such wake-ups are rare, and a worker polling very often
             # need not ask that often
@@ -735,8 +735,8 @@ class Worker:
         if purged:
             logger.info("purged %d finished run(s) older than %s", purged, older_than)
 
-    async def _tick_schedules(self, tick: psycopg.sql.Composed) -> None:
-        """Start the runs of due cron schedules (``tick``, tick_statement's). Any worker may:
+    async def _tick_schedules(self, tick: psycopg.sql.SQL) -> None:
+        """Start the runs of due cron schedules (``tick``, ScheduleCalls'). Any worker may:
         tick_schedules takes each schedule with skip locked and names each run after its fire
         time, so workers ticking at once never start a fire time twice."""
         for name, fire_at, _run_id, outcome in await self._call(tick, None):
