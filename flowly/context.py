@@ -121,15 +121,23 @@ _MAX_NAME_BYTES = 1000
 _BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
 
 
+# what is kept of a failure's message (its head) and of its traceback (its tail): an
+# exception carrying a whole response body would otherwise be stored once per attempt
+_MESSAGE_CHARS = _TRACEBACK_CHARS = 8000
+
+
 def error_info(exc: BaseException) -> dict[str, Any]:
-    """The JSON stored for a failure: exception type, message and a bounded traceback."""
+    """The JSON stored for a failure: exception type, a bounded message and traceback."""
     tb = "".join(traceback.format_exception(exc))
     try:
         message = str(exc)
     except Exception as unprintable:  # the exception's own __str__ failed
         message = f"<{type(exc).__qualname__}: str() raised {unprintable!r}>"
+    if len(message) > _MESSAGE_CHARS:
+        message = (f"{message[:_MESSAGE_CHARS]} [message cut:"
+                   f" {len(message) - _MESSAGE_CHARS:,} more characters]")
     return {"type": type(exc).__qualname__, "message": jsonb_safe_text(message),
-            "traceback": jsonb_safe_text(tb[-8000:])}
+            "traceback": jsonb_safe_text(tb[-_TRACEBACK_CHARS:])}
 
 
 def cancel_requested(exc: BaseException) -> bool:

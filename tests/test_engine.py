@@ -239,6 +239,31 @@ def test_values_jsonb_refuses_fail_their_own_run_only(
         client.start("quick", {"text": "\x00"})
 
 
+def test_a_huge_error_message_is_stored_cut_to_its_head_and_says_so(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A step or a body failing with a 20 MB message (a response body, a whole file in an
+    exception): each attempt's error, the run's error and the dashboards would carry it
+    whole, once per attempt. The message is stored cut to its first 8,000 characters,
+    saying how many were cut; short messages stay as they are."""
+    length = 20_000_000
+    in_step = client.start("long_error", {"where": "step", "length": length})
+    in_body = client.start("long_error", {"where": "body", "length": length},
+                           max_attempts=1)
+    short = client.start("long_error", {"where": "step", "length": 10})
+    with running_worker(dsn):
+        for run_id in (in_step, in_body, short):
+            assert client.wait(run_id, timeout=60).status == "dead_letter"
+    cut = f" [message cut: {length + 5 - 8000:,} more characters]"
+    assert client.get(in_step).error["message"] == "step " + "x" * 7995 + cut
+    assert client.get(in_body).error["message"] == "body " + "y" * 7995 + cut
+    attempts = client.failed_attempts(in_step)
+    assert len(attempts) == 2
+    assert all(a.error["message"] == "step " + "x" * 7995 + cut for a in attempts)
+    assert client.get(short).error["message"] == "step " + "x" * 10
+    assert scalar(db, "select max(length(error::text)) from flowly.runs") < 20_000
+
+
 def test_sleep_cannot_be_swallowed_by_except_exception(dsn: str, client: flowly.Client) -> None:
     run_id = client.start("catches_everything", {"seconds": 0.3})
     with running_worker(dsn):

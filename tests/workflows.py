@@ -219,6 +219,18 @@ async def nul_error(ctx: flowly.Context, inp: Any) -> Any:
     return await ctx.step("fail", fail, retry=flowly.Retry(max_attempts=1))
 
 
+@flowly.workflow("long_error")
+async def long_error(ctx: flowly.Context, inp: Any) -> Any:
+    """Fails with a message of ``inp["length"]`` characters: in a step (two attempts) when
+    ``inp["where"]`` is "step", else in the body."""
+    def fail() -> None:
+        raise ValueError("step " + "x" * inp["length"])
+
+    if inp["where"] == "step":
+        return await ctx.step("fail", fail, retry=flowly.Retry(max_attempts=2, initial_delay=0.1))
+    raise ValueError("body " + "y" * inp["length"])
+
+
 @flowly.workflow("stop_iteration")
 async def stop_iteration(ctx: flowly.Context, inp: Any) -> Any:
     """A sync step that raises StopIteration (next() on an empty iterator), on its only attempt."""
