@@ -141,6 +141,9 @@ def rendered(query: sql.Composable) -> sql.SQL:
     return sql.SQL(query.as_string())
 
 
+CLAIMED_INPUT_BYTES = 64 * 1024
+
+
 class Calls:
     """The engine's SQL statements for one schema, ready to execute."""
 
@@ -174,7 +177,17 @@ class Calls:
             sql.SQL("select extract(epoch from clock_timestamp())::float8"))
         self.register_worker = q("select {s}.register_worker(%s, %s, %s, %s)")
         self.unregister_worker = q("select {s}.unregister_worker(%s)")
-        self.claim_and_offer = q("select * from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s)")
+        # a claimed run's input comes with the claim when it is stored in CLAIMED_INPUT_BYTES
+        # or less; a larger one is left out (its flag set) and read by the run's own task,
+        # so the runs claimed with it do not wait for it to arrive and be parsed
+        self.claim_and_offer = q(
+            "select c.run_id, c.workflow, c.status,"
+            " case when pg_column_size(c.input) <= " + str(CLAIMED_INPUT_BYTES)
+            + " then c.input end, c.attempt, c.generation, c.lease_epoch, c.has_history,"
+            " coalesce(pg_column_size(c.input) > " + str(CLAIMED_INPUT_BYTES) + ", false)"
+            " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c")
+        self.claimed_input = q("select r.input from {s}.runs r"
+                               " where r.id = %s and r.lease_epoch = %s")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
         self.fold_run_counts = q("select {s}.fold_run_counts()")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -15,8 +17,9 @@ import pytest
 from psycopg import sql
 
 import flowly
-from flowly.db import dumps, is_connection_failure
+from flowly.db import Calls, dumps, is_connection_failure
 from flowly.worker import session
+from flowly.worker.handoff import ClaimedRun
 from tests.support import running_worker, scalar, wait_for, worker_process
 
 
@@ -33,6 +36,41 @@ def test_an_output_over_the_limit_fails_its_run_before_anything_is_sent(
     assert "step 'echo' returned 9,437,186 bytes of JSON; the limit is 8,388,608" in (
         run.error["message"])
     assert len(client.failed_attempts(big)) == 1  # no retry
+
+
+def _incompressible(megabytes: int) -> dict[str, list[str]]:
+    return {"blob": [secrets.token_hex(32) for _ in range(megabytes * 1024 * 1024 // 68)]}
+
+
+def test_a_claim_answers_without_a_large_input(
+    client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """One run's large input (jsonb takes up to 255 MB) travelled in the answer of the claim
+    that took it, so every run claimed in the same call waited for it to arrive and be
+    parsed: about a second for 100 MB, on the worker's event loop. A claim answers with the
+    inputs stored in 64 kB or less; a larger one is marked for its run to read itself."""
+    big = client.start("quick", _incompressible(3))
+    small = [client.start("quick", i) for i in range(5)]
+    answer = db.execute(Calls().claim_and_offer, ("w", ["quick"], ["default"], 10,
+                                                   timedelta(hours=1), None)).fetchall()
+    claimed = {run.run_id: run for run in (ClaimedRun(*row) for row in answer)}
+    assert set(claimed) == {big, *small}
+    assert claimed[big].input is None and claimed[big].input_deferred
+    assert [(claimed[r].input, claimed[r].input_deferred) for r in small] == [
+        (i, False) for i in range(5)]
+
+
+def test_a_run_with_a_large_input_reads_it_whole_beside_runs_with_small_ones(
+    dsn: str, client: flowly.Client
+) -> None:
+    big_input = _incompressible(3)
+    big = client.start("quick", big_input)
+    small = [client.start("quick", i) for i in range(20)]
+    with running_worker(dsn):
+        assert [client.wait(r, timeout=30).output["input"] for r in small] == list(range(20))
+        run = client.wait(big, timeout=60)
+    assert run.status == "completed", run.error
+    assert run.output["input"] == big_input
 
 
 def _best_of_three(fn: Callable[[], Any]) -> float:

@@ -538,8 +538,7 @@ class Worker:
         held = _Held(run.run_id, run.epoch, lease_until=lease_until)
         self._held[run.run_id] = held
         held.task = asyncio.create_task(
-            self._execute(held, self.workflows[run.workflow], run.status, run.input,
-                          run.attempt, run.generation, run.has_history),
+            self._execute(held, self.workflows[run.workflow], run),
             name=f"flowly-run-{run.run_id}",
         )
         # a callback, not a finally in _execute: it runs even if the task is cancelled
@@ -786,23 +785,22 @@ class Worker:
 
     # -- executing --------------------------------------------------------------------------
 
-    async def _execute(
-        self, held: _Held, workflow: Workflow, status: str, input: Any, attempt: int,
-        generation: int, has_history: bool,
-    ) -> None:
+    async def _execute(self, held: _Held, workflow: Workflow, run: ClaimedRun) -> None:
         store = _RunStore(self, held)
         try:
+            input = await self._read_input(held) if run.input_deferred else run.input
             # only a retried generation can have steps a compensation undid
             undone = dict(await run_write(held.run_id, partial(
-                self._call, self._calls.undone_steps, (held.run_id,)))) if generation > 1 else {}
+                self._call, self._calls.undone_steps, (held.run_id,)))
+            ) if run.generation > 1 else {}
             ctx = Context(
                 run_id=held.run_id,
                 workflow=workflow.name,
-                attempt=attempt,
-                generation=generation,
+                attempt=run.attempt,
+                generation=run.generation,
                 store=store,
-                history=ReplayLog(store.read_page if has_history else None),
-                compensating=status == "compensating",
+                history=ReplayLog(store.read_page if run.has_history else None),
+                compensating=run.status == "compensating",
                 default_retry=self.default_retry,
                 max_output_bytes=self.max_output_bytes,
                 undone=undone,
@@ -818,6 +816,17 @@ class Worker:
             logger.info("run %s cancelled in this worker", held.run_id)
         except Exception:  # the database went away mid-run: the lease expires, another takes it
             logger.exception("run %s interrupted by an internal error", held.run_id)
+
+    async def _read_input(self, held: _Held) -> Any:
+        """The input of a run whose claim left it out (too large to come with the claim), read
+        under the run's lease."""
+        async def read() -> Any:
+            rows = await self._call(self._calls.claimed_input, (held.run_id, held.epoch))
+            if not rows:
+                raise LeaseLost(f"run {held.run_id} was claimed again before it read its input")
+            return rows[0][0]
+
+        return await run_write(held.run_id, read)
 
     async def _run_body(self, held: _Held, workflow: Workflow, ctx: Context, input: Any) -> str:
         """Run the workflow body; returns 'compensate' when the saga must run, else 'done'.

@@ -37,6 +37,8 @@ class ClaimedRun:
     generation: int
     epoch: int
     has_history: bool
+    # the input was too large to come with the claim: the run reads it (``input`` is None)
+    input_deferred: bool = False
 
 
 @dataclass(frozen=True)
