@@ -604,21 +604,10 @@ class Context:
         return self._track(f"wait for event {name!r}", self._wait_for_event(name, seconds))
 
     async def _wait_for_event(self, name: str, timeout: float | None) -> Any:
-        record = self._wait_record("event", name)
-        position = self._claim_name(record)
-        stored = await self._write(lambda: self.history.get(record))
-        if isinstance(stored, StoredStep):
-            outcome = stored.output
-        else:
-            await self._stop_if_decided()
-            state, payload = await self._waited(lambda: self._store.wait_for_event(
-                record, name, timeout, position))
-            if state == "waiting":
-                self.waiting.append(record)
-                raise WaitInterrupt(record)
-            outcome = {"payload": payload} if state == "received" else {"timeout": True}
-            self.history.record(record, StoredStep("completed", outcome, 0, position=position,
-                                                   kind="event"))
+        outcome = await self._wait_outcome(
+            "event", name,
+            lambda record, position: self._store.wait_for_event(record, name, timeout, position),
+            lambda answer: {"payload": answer[1]} if answer[0] == "received" else {"timeout": True})
         if "payload" not in outcome:
             raise EventTimeout(f"no event {name!r} within {timeout}s")
         return outcome["payload"]
@@ -630,21 +619,10 @@ class Context:
         return self._track(f"wait for run {run_id!r}", self._wait_for_run(run_id))
 
     async def _wait_for_run(self, run_id: str) -> Any:
-        record = self._wait_record("run", run_id)
-        position = self._claim_name(record)
-        stored = await self._write(lambda: self.history.get(record))
-        if isinstance(stored, StoredStep):
-            outcome = stored.output
-        else:
-            await self._stop_if_decided()
-            state, status, output, error = await self._waited(
-                lambda: self._store.wait_for_run(record, run_id, position))
-            if state == "waiting":
-                self.waiting.append(record)
-                raise WaitInterrupt(record)
-            outcome = {"status": status, "output": output, "error": error}
-            self.history.record(record, StoredStep("completed", outcome, 0, position=position,
-                                                   kind="run"))
+        outcome = await self._wait_outcome(
+            "run", run_id,
+            lambda record, position: self._store.wait_for_run(record, run_id, position),
+            lambda answer: {"status": answer[1], "output": answer[2], "error": answer[3]})
         if outcome["status"] != "completed":
             raise ChildFailed(run_id, outcome["status"], outcome["error"])
         return outcome["output"]
@@ -657,6 +635,28 @@ class Context:
                 await self._start(workflow, input, run_id, options))
 
         return self._track(f"run of {workflow!r}", start_and_wait())
+
+    async def _wait_outcome(
+        self, kind: str, key: str,
+        register: Callable[[str, int], Awaitable[tuple[Any, ...]]],
+        outcome_of: Callable[[tuple[Any, ...]], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The outcome of a wait (for an event or a run): as recorded, or as the database
+        answers ``register``; a wait that must go on parks the run (WaitInterrupt)."""
+        record = self._wait_record(kind, key)
+        position = self._claim_name(record)
+        stored = await self._write(lambda: self.history.get(record))
+        if isinstance(stored, StoredStep):
+            return dict(stored.output)
+        await self._stop_if_decided()
+        answer = await self._waited(lambda: register(record, position))
+        if answer[0] == "waiting":
+            self.waiting.append(record)
+            raise WaitInterrupt(record)
+        outcome = outcome_of(answer)
+        self.history.record(record, StoredStep("completed", outcome, 0, position=position,
+                                               kind=kind))
+        return outcome
 
     def _wait_record(self, kind: str, key: str) -> str:
         count = self._wait_counts.get(f"{kind}:{key}", 0) + 1
