@@ -150,8 +150,9 @@ class Calls:
     def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
         self.schema = check_schema_name(schema)
 
-        def q(text: str) -> sql.SQL:
-            return rendered(sql.SQL(text).format(s=sql.Identifier(schema)))
+        def q(text: str, **literals: Any) -> sql.SQL:
+            return rendered(sql.SQL(text).format(
+                s=sql.Identifier(schema), **{k: sql.Literal(v) for k, v in literals.items()}))
 
         self.finished_channel = q("select {s}.finished_channel()")
         self.start = q(
@@ -182,10 +183,10 @@ class Calls:
         # so the runs claimed with it do not wait for it to arrive and be parsed
         self.claim_and_offer = q(
             "select c.run_id, c.workflow, c.status,"
-            " case when pg_column_size(c.input) <= " + str(CLAIMED_INPUT_BYTES)
-            + " then c.input end, c.attempt, c.generation, c.lease_epoch, c.has_history,"
-            " coalesce(pg_column_size(c.input) > " + str(CLAIMED_INPUT_BYTES) + ", false)"
-            " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c")
+            " case when pg_column_size(c.input) <= {most} then c.input end,"
+            " c.attempt, c.generation, c.lease_epoch, c.has_history,"
+            " coalesce(pg_column_size(c.input) > {most}, false)"
+            " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c", most=CLAIMED_INPUT_BYTES)
         self.claimed_input = q("select r.input from {s}.runs r"
                                " where r.id = %s and r.lease_epoch = %s")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")
