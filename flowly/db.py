@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -141,6 +142,13 @@ def rendered(query: sql.Composable) -> sql.SQL:
     return sql.SQL(query.as_string())
 
 
+def schema_statement(schema: str, text: str, **literals: Any) -> sql.SQL:
+    """``text`` with ``{s}`` the schema's quoted name and each ``{name}`` of ``literals`` its
+    value as a literal, rendered once."""
+    return rendered(sql.SQL(text).format(
+        s=sql.Identifier(schema), **{name: sql.Literal(v) for name, v in literals.items()}))
+
+
 CLAIMED_INPUT_BYTES = 64 * 1024
 
 
@@ -150,9 +158,7 @@ class Calls:
     def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
         self.schema = check_schema_name(schema)
 
-        def q(text: str, **literals: Any) -> sql.SQL:
-            return rendered(sql.SQL(text).format(
-                s=sql.Identifier(schema), **{k: sql.Literal(v) for k, v in literals.items()}))
+        q = partial(schema_statement, self.schema)
 
         self.finished_channel = q("select {s}.finished_channel()")
         self.start = q(

@@ -9,14 +9,12 @@ poll interval. This module only names those calls for a schema and maps their ro
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 from datetime import datetime
+from functools import cache, partial
 from typing import Any
 
-from psycopg import sql
-
-from .db import check_schema_name, dumps_argument, rendered
+from .db import check_schema_name, dumps_argument, schema_statement
 from .errors import InvalidArgument
 from .workflow import WorkflowFn, lookup
 
@@ -55,10 +53,7 @@ class ScheduleCalls:
     """The schedule functions of one schema, rendered to SQL once (see ``db.rendered``)."""
 
     def __init__(self, schema: str) -> None:
-        s = sql.Identifier(check_schema_name(schema))
-
-        def q(text: str) -> sql.SQL:
-            return rendered(sql.SQL(text).format(s=s))
+        q = partial(schema_statement, check_schema_name(schema))
 
         self.schedule = q(
             "select * from {s}.schedule(name => %(name)s, cron => %(cron)s,"
@@ -76,7 +71,7 @@ class ScheduleCalls:
         self.tick = q("select * from {s}.tick_schedules()")
 
 
-@functools.cache
+@cache
 def schedule_calls(schema: str) -> ScheduleCalls:
     """The schedule calls of ``schema``, made once per process."""
     return ScheduleCalls(schema)
