@@ -322,8 +322,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     since = parse_since(args.since) if args.since else None
     _check_limit(args.limit)
     with _client(args) as client:
+        # the table shows no input or output: it does not read them, whatever their size
         runs = client.list_runs(status=args.status, workflow=args.workflow, since=since,
-                                limit=args.limit)
+                                limit=args.limit, data=args.json)
     if args.json:
         _print_json([dataclasses.asdict(r) for r in runs])
         return EXIT_OK

@@ -57,6 +57,34 @@ def test_the_reader_role_reads_and_cannot_write(roles: tuple[str, str]) -> None:
                 conn.execute(statement)
 
 
+def test_runs_are_listed_without_their_data_by_a_role_that_may_not_read_it(
+    dsn: str, roles: tuple[str, str], db: psycopg.Connection[Any]
+) -> None:
+    """`flowly runs` shows no input or output, so it must not read them (50 runs with 100 MB
+    inputs would be 5 GB for a table of ids): a reader denied those two columns lists runs
+    with the table and with ``list_runs(data=False)``, and is refused only where the data is
+    asked for (``--json``, ``list_runs()``)."""
+    _, reader_dsn = roles
+    with flowly.Client(dsn) as admin:
+        run_id = admin.start("quick", {"secret": "pii"})
+    columns = [name for (name,) in db.execute(
+        "select column_name from information_schema.columns where table_schema = 'flowly'"
+        " and table_name = 'runs' and column_name not in ('input', 'output')")]
+    db.execute(sql.SQL("revoke select on flowly.runs from {}").format(sql.Identifier(READER)))
+    db.execute(sql.SQL("grant select ({}) on flowly.runs to {}").format(
+        sql.SQL(", ").join(map(sql.Identifier, columns)), sql.Identifier(READER)))
+    assert run_id in ok(flowly_cli("runs", dsn=reader_dsn))
+    refused = flowly_cli("runs", "--json", dsn=reader_dsn)
+    assert refused.returncode != 0 and "permission denied" in refused.stderr
+    with flowly.Client(reader_dsn) as reader:
+        [run] = reader.list_runs(data=False)
+        assert (run.id, run.status, run.input, run.output) == (run_id, "pending", None, None)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            reader.list_runs()
+    with flowly.Client(dsn) as admin:
+        assert admin.list_runs()[0].input == {"secret": "pii"}
+
+
 def test_install_roles_from_the_command_line(dsn: str, db: psycopg.Connection[Any]) -> None:
     try:
         out = ok(flowly_cli("install", "--roles", "--worker-role", WORKER, "--reader-role",
