@@ -63,6 +63,8 @@ def test_a_claim_answers_without_a_large_input(
 def test_a_run_with_a_large_input_reads_it_whole_beside_runs_with_small_ones(
     dsn: str, client: flowly.Client
 ) -> None:
+    """Through a worker: the run whose input its claim left out reads it under its lease and
+    gets it exactly; the runs claimed with it get theirs from the claim."""
     big_input = _incompressible(3)
     big = client.start("quick", big_input)
     small = [client.start("quick", i) for i in range(20)]
