@@ -189,10 +189,11 @@ class Calls:
         # so the runs claimed with it do not wait for it to arrive and be parsed
         self.claim_and_offer = q(
             "select c.run_id, c.workflow, c.status,"
-            " case when pg_column_size(c.input) <= {most} then c.input end,"
-            " c.attempt, c.generation, c.lease_epoch, c.has_history,"
-            " coalesce(pg_column_size(c.input) > {most}, false)"
-            " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c", most=CLAIMED_INPUT_BYTES)
+            " case when not l.deferred then c.input end,"
+            " c.attempt, c.generation, c.lease_epoch, c.has_history, l.deferred"
+            " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c,"
+            " lateral (select coalesce(pg_column_size(c.input) > {most}, false) as deferred) l",
+            most=CLAIMED_INPUT_BYTES)
         self.claimed_input = q("select r.input from {s}.runs r"
                                " where r.id = %s and r.lease_epoch = %s")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")
