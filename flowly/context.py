@@ -647,7 +647,8 @@ class Context:
         position = self._claim_name(record)
         stored = await self._write(lambda: self.history.get(record))
         if isinstance(stored, StoredStep):
-            return dict(stored.output)
+            recorded: dict[str, Any] = stored.output
+            return recorded
         await self._stop_if_decided()
         answer = await self._waited(lambda: register(record, position))
         if answer[0] == "waiting":
