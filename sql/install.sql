@@ -230,6 +230,12 @@ select not exists (select from schema_migrations where version = 33) as apply_mi
     insert into schema_migrations (version, name) values (33, '0033_cancels_that_end');
 \endif
 
+select not exists (select from schema_migrations where version = 34) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0034_batch_writes_probe_once.sql
+    insert into schema_migrations (version, name) values (34, '0034_batch_writes_probe_once');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

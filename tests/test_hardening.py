@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -234,6 +235,42 @@ def test_a_worker_s_writes_do_not_read_the_runs_other_workers_hold(
     assert scalar(db, "select status from flowly.runs where id = 'mine too'") == "pending"
 
 
+def _index_scans(db: psycopg.Connection[Any], table: str) -> int:
+    """How many index scans of ``table`` the statistics have counted so far."""
+    db.execute("select pg_stat_force_next_flush()")
+    return int(scalar(db, "select idx_scan from pg_stat_user_tables where relid = %s::regclass",
+                      table))
+
+
+def test_batch_writes_look_up_each_run_and_step_only_as_often_as_they_write_it(
+    db: psycopg.Connection[Any]
+) -> None:
+    """A checkpoint_steps or complete_runs batch of 40 runs, none busy, no step stored before:
+    besides finding and locking its runs, each item's write costs one lookup of its run (the
+    steps foreign key, or the update) and one of its step (the duplicate check). Both looked
+    up each run again, and each step, to answer for a busy row or a stored step that were not
+    there (an index scan per item per question, in every batch)."""
+    n = 40
+    db.execute("select flowly.register_worker('w', array['quick'], array['default'], '1h')")
+    db.execute("select flowly.start('quick', run_id => 'r' || g) from generate_series(1, %s) g",
+               (n,))
+    claimed = db.execute("select run_id, lease_epoch from flowly.claim('w', array['quick'],"
+                         " array['default'], %s, '1 hour')", (n,)).fetchall()
+    ids, epochs = [c[0] for c in claimed], [c[1] for c in claimed]
+    runs, steps = _index_scans(db, "flowly.runs"), _index_scans(db, "flowly.steps")
+    written = db.execute("select * from flowly.checkpoint_steps(%s, %s, %s, %s, %s, %s, %s)",
+                         (ids, epochs, ["a"] * n, ["1"] * n, [datetime.now(UTC)] * n,
+                          [False] * n, [1] * n)).fetchall()
+    assert [(w[0], w[2], w[3], w[4]) for w in written] == [(i, False, False, 1) for i in ids]
+    assert _index_scans(db, "flowly.runs") - runs <= 2 * n + 2
+    assert _index_scans(db, "flowly.steps") - steps <= n + 2
+    runs = _index_scans(db, "flowly.runs")
+    completed = db.execute("select * from flowly.complete_runs(%s, %s, %s)",
+                           (ids, epochs, ["2"] * n)).fetchall()
+    assert completed == [(i, False, False) for i in ids]
+    assert _index_scans(db, "flowly.runs") - runs <= 2 * n + 2
+
+
 def test_a_plan_made_on_empty_tables_does_not_scan_them_once_they_grow(
     db: psycopg.Connection[Any]
 ) -> None:
@@ -262,11 +299,40 @@ def test_a_claim_planned_on_empty_tables_reads_only_its_runs_history(
     _write_finished_history(db)
     for i in range(3):
         db.execute("select flowly.start('quick', run_id => %s)", (f"new-{i}",))
+    # new-0 was claimed before (its first lease's epoch), wrote a step, and was released
+    db.execute("update flowly.runs set lease_epoch = 1 where id = 'new-0'")
     db.execute("insert into flowly.steps (run_id, name, seq, status, output, started_at)"
                " values ('new-0', 'a', nextval('flowly.step_seq'), 'completed', '1', now())")
     pages, claimed = pages_read(db, "flowly.steps", claim)
     assert pages < 50
     assert {r[0]: r[-1] for r in claimed} == {"new-0": True, "new-1": False, "new-2": False}
+
+
+def test_a_claim_of_runs_never_claimed_before_reads_no_history(
+    db: psycopg.Connection[Any]
+) -> None:
+    """A run claimed for the first time can have written nothing (only a lease holder writes
+    steps and timers, and a lease epoch only grows), so claim does not look: it probed steps
+    and timers once per run, in every batch of new runs."""
+    db.execute("select flowly.register_worker('w', array['quick'], array['default'], '1h')")
+    db.execute("select flowly.start('quick', run_id => 'r' || g) from generate_series(1, 50) g")
+    _write_finished_history(db)
+    claim = "select * from flowly.claim('w', array['quick'], array['default'], 50, '1 hour')"
+
+    def steps_index_scans() -> int:
+        db.execute("select pg_stat_force_next_flush()")
+        return int(scalar(db, "select idx_scan from pg_stat_user_tables"
+                              " where relid = 'flowly.steps'::regclass"))
+
+    before = steps_index_scans()
+    claimed = db.execute(claim).fetchall()
+    assert len(claimed) == 50 and not any(r[-1] for r in claimed)
+    assert steps_index_scans() == before
+    db.execute("select flowly.release(array_agg(id), array_agg(lease_epoch)) from flowly.runs"
+               " where locked_by = 'w'")
+    claimed = db.execute(claim).fetchall()
+    assert len(claimed) == 50 and not any(r[-1] for r in claimed)
+    assert steps_index_scans() >= before + 50  # claimed before: their history is looked for
 
 
 def _write_finished_history(db: psycopg.Connection[Any]) -> None:
