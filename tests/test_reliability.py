@@ -60,6 +60,34 @@ def test_a_claim_answers_without_a_large_input(
         (i, False) for i in range(5)]
 
 
+def test_a_large_input_is_read_past_a_held_row_and_only_under_its_lease(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The run whose claim left its input out reads it after the claim committed, when an
+    operator's transaction may hold its row: that read takes no lock, so it is not held up
+    (the read is bounded here by a statement timeout). It names the lease it was claimed
+    under: once the run is claimed again, the old holder's read finds nothing."""
+    big_input = _incompressible(1)
+    big = client.start("quick", big_input)
+    answer = db.execute(Calls().claim_and_offer, ("w", ["quick"], ["default"], 10,
+                                                   timedelta(hours=1), None)).fetchall()
+    (run,) = [ClaimedRun(*row) for row in answer]
+    assert run.input_deferred
+    with psycopg.connect(dsn) as operator, psycopg.connect(dsn, autocommit=True) as reader:
+        operator.execute("select from flowly.runs where id = %s for update", (big,))
+        reader.execute("set statement_timeout = '5s'")
+        read = reader.execute(Calls().claimed_input, (big, run.epoch)).fetchall()
+        assert read == [(big_input,)]
+        operator.rollback()
+    db.execute("select flowly.release(array[%s], array[%s::bigint])", (big, run.epoch))
+    answer = db.execute(Calls().claim_and_offer, ("w2", ["quick"], ["default"], 10,
+                                                   timedelta(hours=1), None)).fetchall()
+    (again,) = [ClaimedRun(*row) for row in answer]
+    assert again.epoch > run.epoch
+    assert db.execute(Calls().claimed_input, (big, run.epoch)).fetchall() == []
+    assert db.execute(Calls().claimed_input, (big, again.epoch)).fetchall() == [(big_input,)]
+
+
 def test_a_run_with_a_large_input_reads_it_whole_beside_runs_with_small_ones(
     dsn: str, client: flowly.Client
 ) -> None:
