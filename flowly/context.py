@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
-from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text
+from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text, utf8_size
 from .errors import (
     ChildFailed,
     EventTimeout,
@@ -157,7 +157,7 @@ def serialise_output(value: Any, owner: str, max_bytes: int) -> str:
         raise StepOutputNotSerializable(
             f"{owner} returned a {type(value).__name__} that is not JSON serialisable: {exc}"
         ) from exc
-    size = len(text.encode("utf-8"))
+    size = utf8_size(text)
     if size > max_bytes:
         raise OutputTooLarge(
             f"{owner} returned {size:,} bytes of JSON; the limit is {max_bytes:,}"

@@ -104,6 +104,10 @@ def _has_nul_escape(text: str) -> bool:
     return "\\u0000" in text and "\\u0000" in text.replace("\\\\", "")
 
 
+# one encoder for every call: json.dumps with options builds a new one each time
+_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(value: Any) -> str:
     """Serialise a value to JSON text that Postgres jsonb accepts, or raise ValueError.
 
@@ -111,14 +115,20 @@ def dumps(value: Any) -> str:
     surrogates; catching them here names the culprit instead of failing a whole batch of
     writes in the database.
     """
-    text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    text = _ENCODER.encode(value)
     if _has_nul_escape(text):
         raise ValueError("jsonb cannot store the character U+0000 (NUL)")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"jsonb cannot store an unpaired surrogate: {exc}") from None
+    if not text.isascii():  # ASCII text (most of it) can hold no surrogate
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"jsonb cannot store an unpaired surrogate: {exc}") from None
     return text
+
+
+def utf8_size(text: str) -> int:
+    """How many bytes ``text`` takes in UTF-8 (ASCII text is not encoded to tell)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def dumps_argument(value: Any, what: str) -> str:

@@ -24,14 +24,18 @@ class UserTaskExited(Exception):
     """A task started by a step raised SystemExit or KeyboardInterrupt (its ``__cause__``)."""
 
 
-@contextmanager
-def user_code() -> Generator[None, None, None]:
-    """Mark the code run inside as user code: tasks it creates are contained."""
-    token = _IN_USER_CODE.set(True)
-    try:
-        yield
-    finally:
-        _IN_USER_CODE.reset(token)
+class user_code:  # lowercase: it reads as a function, ``with user_code():``
+    """Mark the code run inside as user code: tasks it creates are contained.
+
+    A class, not a generator context manager: it wraps every step call and every body."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _IN_USER_CODE.set(True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _IN_USER_CODE.reset(self._token)
 
 
 async def _contained(coro: Coroutine[Any, Any, Any]) -> Any:

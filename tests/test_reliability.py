@@ -17,6 +17,7 @@ import pytest
 from psycopg import sql
 
 import flowly
+from flowly.context import serialise_output
 from flowly.db import Calls, dumps, is_connection_failure
 from flowly.worker import session
 from flowly.worker.handoff import ClaimedRun
@@ -101,6 +102,23 @@ def test_a_run_with_a_large_input_reads_it_whole_beside_runs_with_small_ones(
         run = client.wait(big, timeout=60)
     assert run.status == "completed", run.error
     assert run.output["input"] == big_input
+
+
+def test_the_output_limit_counts_bytes_and_what_jsonb_refuses_is_still_refused() -> None:
+    """The size limit is in bytes of UTF-8, whether or not the text is ASCII (only non-ASCII
+    text is encoded to tell); an unpaired surrogate is refused, NaN too."""
+    limit = 1000
+    assert serialise_output("x" * (limit - 2), "step 'a'", limit) == json.dumps("x" * (limit - 2))
+    with pytest.raises(flowly.OutputTooLarge, match="1,001 bytes"):
+        serialise_output("x" * (limit - 1), "step 'a'", limit)
+    accented = "é" * (limit // 2)  # 500 characters, 1,000 bytes, 1,002 bytes of JSON
+    with pytest.raises(flowly.OutputTooLarge, match="1,002 bytes"):
+        serialise_output(accented, "step 'a'", limit)
+    assert serialise_output(accented, "step 'a'", limit + 2) == f'"{accented}"'
+    with pytest.raises(ValueError, match="surrogate"):
+        dumps({"text": "ok \ud800"})
+    with pytest.raises(ValueError):
+        dumps(float("nan"))
 
 
 def _best_of_three(fn: Callable[[], Any]) -> float:
