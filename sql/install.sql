@@ -236,6 +236,12 @@ select not exists (select from schema_migrations where version = 34) as apply_mi
     insert into schema_migrations (version, name) values (34, '0034_batch_writes_probe_once');
 \endif
 
+select not exists (select from schema_migrations where version = 35) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0035_purge_resumes_where_it_stopped.sql
+    insert into schema_migrations (version, name) values (35, '0035_purge_resumes_where_it_stopped');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import running_worker, scalar
+from tests.support import pages_read, running_worker, scalar
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
 
@@ -76,6 +76,47 @@ def test_purge_deletes_old_finished_runs_in_batches_and_nothing_live(
 
     db.execute("vacuum analyze flowly.runs")
     assert _claim_buffers(db) <= before * 1.5  # claim cost is about what it was
+
+
+def test_purge_reads_the_runs_it_keeps_once_a_round_not_at_every_batch(
+    db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    """2,000 old children of a running parent that has not read them (purge keeps them) are
+    the oldest finished runs, 2,000 deletable ones come after them. Each batch read and
+    checked all the kept ones again before it reached a run it could delete; a batch now
+    goes on where the last one stopped. A loop until a short batch still deletes everything
+    it may, and once the parent has finished, a new loop goes round from the oldest and
+    deletes the children too."""
+    db.execute("select flowly.register_worker('w', array['fan'], array['default'], '1h')")
+    db.execute("select flowly.start('fan', run_id => 'parent')")
+    (epoch,) = db.execute("select lease_epoch from flowly.claim('w', array['fan'],"
+                          " array['default'], 1, '1 hour')").fetchone()
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, parent_run_id, finished_at, created_at)
+        select 'kid-' || g, 'kid', 'completed', 'parent',
+               now() - interval '10 days' + g * interval '1 ms', now() - interval '11 days'
+        from generate_series(1, 2000) g""")
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, finished_at, created_at)
+        select 'old-' || g, 'old', 'completed',
+               now() - interval '9 days' + (g / 10) * interval '1 ms', now() - interval '11 days'
+        from generate_series(1, 2000) g""")  # ten at a time finished together
+    db.execute("analyze flowly.runs")
+    purge = "select flowly.purge('1 day', batch => 100)"
+    first, deleted = pages_read(db, "flowly.runs", purge)
+    assert deleted == [(100,)]
+    second, deleted = pages_read(db, "flowly.runs", purge)
+    assert deleted == [(100,)]
+    assert second < first / 3, (first, second)  # 2,000 kept runs read or 100 deletable
+
+    assert client.purge(timedelta(days=1), batch=100) == 1800
+    assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 0
+    assert scalar(db, "select count(*) from flowly.runs where id like 'kid-%%'") == 2000
+    assert scalar(db, "select count(*) from flowly.purge_positions") == 0
+    db.execute("select flowly.complete('parent', %s, 'null')", (epoch,))
+    assert client.purge(timedelta(days=1), batch=300) == 2000
+    assert scalar(db, "select count(*) from flowly.runs where id like 'kid-%%'") == 0
+    assert client.get("parent").status == "completed"
 
 
 def test_purge_skips_a_locked_run_and_never_waits(
