@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import pages_read, running_worker, scalar
+from tests.support import in_thread, pages_read, running_worker, scalar
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
 
@@ -117,6 +117,41 @@ def test_purge_reads_the_runs_it_keeps_once_a_round_not_at_every_batch(
     assert client.purge(timedelta(days=1), batch=300) == 2000
     assert scalar(db, "select count(*) from flowly.runs where id like 'kid-%%'") == 0
     assert client.get("parent").status == "completed"
+
+
+def test_purges_at_once_share_the_positions_and_delete_everything_they_may(dsn: str) -> None:
+    """Three loops of small batches at once, over 3,000 deletable runs of three statuses
+    between and after 600 kept ones: they take different runs (skip locked), write the same
+    positions in turn, and between them delete every deletable run and no kept one, with
+    no error and no deadlock."""
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute("select flowly.register_worker('w', array['fan'], array['default'], '1h')")
+        db.execute("select flowly.start('fan', run_id => 'parent')")
+        db.execute("select flowly.claim('w', array['fan'], array['default'], 1, '1 hour')")
+        db.execute("""
+            insert into flowly.runs (id, workflow, status, parent_run_id, finished_at)
+            select 'r-' || g, 'wf', (array['completed', 'cancelled', 'dead_letter'])[g % 3 + 1],
+                   case when g % 6 = 0 then 'parent' end,
+                   now() - interval '5 days' + (g / 7) * interval '1 ms'
+            from generate_series(1, 3600) g""")
+
+    def loop() -> int:
+        deleted = 0
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while (n := scalar(conn, "select flowly.purge('1 day', batch => 25)")) > 0:
+                deleted += n
+        return deleted
+
+    loops = [in_thread(loop) for _ in range(3)]
+    for thread, _ in loops:
+        thread.join(120)
+    outcomes = [outcome for _, outcome in loops]
+    assert all("error" not in o for o in outcomes), outcomes
+    with psycopg.connect(dsn, autocommit=True) as db:
+        assert scalar(db, "select flowly.purge('1 day')") == 0
+        left = {r[0] for r in db.execute("select id from flowly.runs where id like 'r-%%'")}
+    assert left == {f"r-{g}" for g in range(6, 3601, 6)}
+    assert sum(o["result"] for o in outcomes) == 3000
 
 
 def test_purge_skips_a_locked_run_and_never_waits(
