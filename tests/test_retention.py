@@ -84,16 +84,17 @@ def test_purge_reads_the_runs_it_keeps_once_a_round_not_at_every_batch(
     """2,000 old children of a running parent that has not read them (purge keeps them) are
     the oldest finished runs, 2,000 deletable ones come after them. Each batch read and
     checked all the kept ones again before it reached a run it could delete; a batch now
-    goes on where the last one stopped. A loop until a short batch still deletes everything
-    it may, and once the parent has finished, a new loop goes round from the oldest and
-    deletes the children too."""
+    goes on where the last one stopped, for the children's status too, although it deleted
+    none of them. A loop until a short batch still deletes everything it may, and once the
+    parent has finished, a new loop goes round from the oldest and deletes the children
+    too."""
     db.execute("select flowly.register_worker('w', array['fan'], array['default'], '1h')")
     db.execute("select flowly.start('fan', run_id => 'parent')")
     (epoch,) = db.execute("select lease_epoch from flowly.claim('w', array['fan'],"
                           " array['default'], 1, '1 hour')").fetchone()
     db.execute("""
         insert into flowly.runs (id, workflow, status, parent_run_id, finished_at, created_at)
-        select 'kid-' || g, 'kid', 'completed', 'parent',
+        select 'kid-' || g, 'kid', 'cancelled', 'parent',
                now() - interval '10 days' + g * interval '1 ms', now() - interval '11 days'
         from generate_series(1, 2000) g""")
     db.execute("""

@@ -6,8 +6,11 @@
 -- targets of waits, ...) stay at the head of that order, and every batch read and checked them
 -- all again before reaching one it may delete. 20,000 kept runs made each batch of 1,000 cost
 -- 0.65-0.86 s instead of 0.17-0.33, and a purge of a large backlog behind them took that
--- long per batch: a cost that grew with what it keeps. Now each status remembers how far in
--- (finished_at, id) order its runs have been looked at, and the next call begins after that.
+-- long per batch: a cost that grew with what it keeps. Now each status remembers up to which
+-- finish time its runs have been looked at, and the next call begins there (a status whose
+-- old runs are all kept too: it would otherwise be read through again at each call while the
+-- others fill the batches); the runs finished at that very time are looked at again, so a
+-- position needs no tie-breaker and the index on (status, finished_at) gives the order.
 -- A call that reaches the end of its runs before its batch is full goes round again from the
 -- oldest, for the rest of the batch, up to where it began (runs kept then may be deletable
 -- now), and forgets the positions once a round is complete: a call still returns fewer than
@@ -18,22 +21,23 @@
 -- position written by the one that read less only makes the next call read some runs again.
 -- Lock order: the batch's runs, then the position rows (only purge writes them).
 
--- Where each status's round of purge stands: its runs up to (finished_at, id) were deleted,
--- kept or held by another transaction. Only purge reads and writes it.
+-- Where each status's round of purge stands: its runs finished before finished_at were
+-- deleted, kept or held by another transaction. Only purge reads and writes it.
 create table purge_positions (
     status text primary key,
-    finished_at timestamptz not null,
-    id text not null
+    finished_at timestamptz not null
 );
 
--- The next runs purge may delete, oldest first: those of each status after its position
--- (p_after_positions), or up to it (not p_after_positions; none for a status without one),
--- locked skip locked. Moves nothing.
+-- The next runs purge may delete, oldest first: those of each status from its position on
+-- (p_after_positions), or before it (not p_after_positions; none for a status without one),
+-- locked skip locked. Moves nothing. Read in the index's order, so that a batch stops at
+-- its limit: a bitmap scan would check the keep rules on every old run first, to sort them.
 create function purge_candidates(
     p_older_than interval, p_statuses text[], p_limit integer, p_after_positions boolean
 ) returns text[]
 language plpgsql
 set search_path from current
+set enable_bitmapscan = off
 as $$
 begin
     return array(
@@ -43,20 +47,17 @@ begin
             select r.id, r.finished_at from runs r
             where r.status = st.status
               and r.finished_at < now() - p_older_than
-              and case when p_after_positions
-                       then p.status is null
-                            or r.finished_at >= p.finished_at
-                               and (r.finished_at, r.id) > (p.finished_at, p.id)
-                       else p.status is not null
-                            and r.finished_at <= p.finished_at
-                            and (r.finished_at, r.id) <= (p.finished_at, p.id)
-                  end
+              and r.finished_at >= case when p_after_positions
+                                        then coalesce(p.finished_at, '-infinity')
+                                        else '-infinity' end
+              and r.finished_at < case when p_after_positions then 'infinity'
+                                       else coalesce(p.finished_at, '-infinity') end
               and not purge_keeps(r)
-            order by r.finished_at, r.id
+            order by r.finished_at
             limit p_limit
             for update of r skip locked
         ) d
-        order by d.finished_at, d.id
+        order by d.finished_at
         limit p_limit);
 end
 $$;
@@ -103,12 +104,14 @@ begin
         v_round_end := v_doomed;
     end if;
     if cardinality(v_doomed) = purge.batch then
-        -- the batch is full: the next call goes on after the last run each status gave it
-        insert into purge_positions as p (status, finished_at, id)
-        select distinct on (r.status) r.status, r.finished_at, r.id
-        from runs r where r.id = any(v_round_end)
-        order by r.status, r.finished_at desc, r.id desc
-        on conflict (status) do update set finished_at = excluded.finished_at, id = excluded.id;
+        -- the batch is full: every status goes on from the latest finish time in it, the
+        -- runs of each status finished before it having all been looked at (a status's runs
+        -- are read in order, and the batch holds the oldest any status offered), those of a
+        -- status it took none of too
+        insert into purge_positions as p (status, finished_at)
+        select st.status, (select max(r.finished_at) from runs r where r.id = any(v_round_end))
+        from unnest(v_statuses) st (status)
+        on conflict (status) do update set finished_at = excluded.finished_at;
     else
         -- a round is complete: the next call begins one from the oldest
         delete from purge_positions p where p.status = any(v_statuses);
