@@ -17,9 +17,10 @@
 -- its batch only when no run it may delete is left, so a loop until then deletes everything
 -- it may, as before, and the first call of a round takes the oldest runs first.
 --
--- Two purges at once: each locks its batch skip locked, so they take different runs; a
--- position written by the one that read less only makes the next call read some runs again.
--- Lock order: the batch's runs, then the position rows (only purge writes them).
+-- Two purges at once: each locks its batch skip locked, so they take different runs, then
+-- the positions table, so that they write positions one after the other; a position written
+-- by the one that read less only makes the next call read some runs again.
+-- Lock order: the batch's runs, then purge_positions (only purge writes it).
 
 -- Where each status's round of purge stands: its runs finished before finished_at were
 -- deleted, kept or held by another transaction. Only purge reads and writes it.
@@ -93,6 +94,9 @@ begin
     end if;
     v_statuses := array(select distinct s from unnest(purge.statuses) s);
     v_doomed := purge_candidates(purge.older_than, v_statuses, purge.batch, true);
+    -- one writer of the positions at a time: two purges at once would lock their rows in
+    -- different orders (deletes in the table's, inserts in the statuses'); reads go on
+    lock table purge_positions in share row exclusive mode;
     if cardinality(v_doomed) < purge.batch
        and exists (select from purge_positions p where p.status = any(v_statuses)) then
         -- past every position there was too little: round again from the oldest
