@@ -318,21 +318,15 @@ def test_a_claim_of_runs_never_claimed_before_reads_no_history(
     db.execute("select flowly.start('quick', run_id => 'r' || g) from generate_series(1, 50) g")
     _write_finished_history(db)
     claim = "select * from flowly.claim('w', array['quick'], array['default'], 50, '1 hour')"
-
-    def steps_index_scans() -> int:
-        db.execute("select pg_stat_force_next_flush()")
-        return int(scalar(db, "select idx_scan from pg_stat_user_tables"
-                              " where relid = 'flowly.steps'::regclass"))
-
-    before = steps_index_scans()
+    before = _index_scans(db, "flowly.steps")
     claimed = db.execute(claim).fetchall()
     assert len(claimed) == 50 and not any(r[-1] for r in claimed)
-    assert steps_index_scans() == before
+    assert _index_scans(db, "flowly.steps") == before
     db.execute("select flowly.release(array_agg(id), array_agg(lease_epoch)) from flowly.runs"
                " where locked_by = 'w'")
     claimed = db.execute(claim).fetchall()
     assert len(claimed) == 50 and not any(r[-1] for r in claimed)
-    assert steps_index_scans() >= before + 50  # claimed before: their history is looked for
+    assert _index_scans(db, "flowly.steps") >= before + 50  # claimed before: history looked for
 
 
 def _write_finished_history(db: psycopg.Connection[Any]) -> None:
