@@ -242,6 +242,12 @@ select not exists (select from schema_migrations where version = 35) as apply_mi
     insert into schema_migrations (version, name) values (35, '0035_purge_resumes_where_it_stopped');
 \endif
 
+select not exists (select from schema_migrations where version = 36) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0036_hand_offs_checked_at_commit.sql
+    insert into schema_migrations (version, name) values (36, '0036_hand_offs_checked_at_commit');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

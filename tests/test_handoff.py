@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -301,3 +302,135 @@ def test_two_workers_sharing_a_worker_id_by_mistake_do_not_both_run_a_handed_run
     ran = db.execute("select run_id, count(*) from public.test_effects where run_id = any(%s)"
                      " group by run_id", (ids,)).fetchall()
     assert sorted(n for _, n in ran) == [3] * 10  # each step once
+
+
+# --- what a hand-off carries and when it is sent (0036) -------------------------------------
+
+def effects(db: psycopg.Connection[Any], run_id: str) -> list[tuple[str, int]]:
+    """The recorded step starts of a run (tests.workflows.record_effect): step, pid."""
+    return db.execute("select step, pid from public.test_effects where run_id = %s"
+                      " order by at", (run_id,)).fetchall()
+
+
+def test_a_run_cancelled_in_the_transaction_that_started_it_is_never_sent(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """The hand-off is sent at commit, as the transaction leaves the run: cancelled, it holds
+    no lease, and the worker that had its slot must not begin it on the first lease's word
+    (it did: the NOTIFY went out when start ran)."""
+    with running_worker(dsn, workflows=["three_steps"], poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        with psycopg.connect(dsn) as tx:
+            run_id = scalar(tx, "select flowly.start('three_steps', '{\"step_seconds\": 0}')")
+            assert scalar(tx, "select locked_by from flowly.runs where id = %s",
+                          run_id) == worker.worker_id  # handed off
+            assert scalar(tx, "select flowly.cancel(%s)", run_id) == "cancelled"
+        # the slot is used up all the same, and the worker offers another
+        wait_for(lambda: offered(db, worker.worker_id), what="a slot offered again")
+        time.sleep(1.5)
+        assert effects(db, run_id) == []
+        # the next run is handed off and runs as ever
+        again = client.start("three_steps", {"step_seconds": 0})
+        assert client.wait(again, timeout=15).status == "completed"
+        assert handed_off(db, again)
+    assert client.get(run_id).status == "cancelled"
+    assert effects(db, run_id) == []
+
+
+def test_a_run_past_its_timeout_is_never_handed_out(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """Neither when start writes it (a start late in a long transaction, whose timeout counts
+    from the transaction's start) nor when the transaction commits after the timeout passed:
+    it times out as a claimed run would, without a step."""
+    with running_worker(dsn, workflows=["three_steps"], poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        with psycopg.connect(dsn) as tx:
+            tx.execute("select pg_sleep(1.2)")
+            at_start = scalar(tx, "select flowly.start('three_steps', '{}',"
+                                  " timeout => '1 second')")
+            assert scalar(tx, "select locked_by from flowly.runs where id = %s",
+                          at_start) is None
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        with psycopg.connect(dsn) as tx:
+            at_commit = scalar(tx, "select flowly.start('three_steps', '{}',"
+                                   " timeout => '1 second')")
+            assert scalar(tx, "select locked_by from flowly.runs where id = %s",
+                          at_commit) == worker.worker_id
+            tx.execute("select pg_sleep(1.2)")
+        for run_id in (at_start, at_commit):
+            assert client.wait(run_id, timeout=20).status == "dead_letter"
+    assert effects(db, at_start) == effects(db, at_commit) == []
+
+
+def test_a_handed_off_run_keeps_its_scheduled_time(
+        db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A start with scheduled_for in the past is due and may be handed off, but its timeout
+    counts from the time scheduled, as insert_run counts it: one already past it is not
+    handed off (and times out), one within it keeps its scheduled_for and timeout_at."""
+    offer_as(db, "ghost", "echo", "1 hour")
+    late = scalar(db, "select flowly.start('echo', '{\"value\": 1}', scheduled_for =>"
+                      " now() - interval '1 hour', timeout => '10 minutes')")
+    within = scalar(db, "select flowly.start('echo', '{\"value\": 2}', scheduled_for =>"
+                        " now() - interval '1 minute', timeout => '1 hour')")
+    rows = db.execute("select id, locked_by, now() - scheduled_for, timeout_at - scheduled_for"
+                      " from flowly.runs order by scheduled_for").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [(late, None), (within, "ghost")]
+    assert [r[2] >= timedelta(minutes=1) for r in rows] == [True, True]
+    assert [r[3] for r in rows] == [timedelta(minutes=10), timedelta(hours=1)]
+
+
+def test_a_hand_off_never_overtakes_a_due_run_of_its_priority_or_above(
+        db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A claim takes the highest priority first across every queue and workflow the worker
+    serves: a run due there at the new run's priority or above (its delay just passed, the
+    worker not polled yet) goes first, so the new run is not handed off. Runs due below its
+    priority, and runs not due yet, do not stop it."""
+    db.execute("select flowly.register_worker('ghost', array['echo', 'quick'],"
+               " array['default', 'other'], '1 hour')")
+
+    def offer() -> None:
+        db.execute("select * from flowly.claim_and_offer('ghost', array['echo', 'quick'],"
+                   " array['default', 'other'], 4, '1 hour', 'ghost_channel')")
+
+    def handed(priority: int) -> bool:
+        run_id = client.start("echo", {"value": priority}, priority=priority)
+        return scalar(db, "select locked_by from flowly.runs where id = %s", run_id) is not None
+
+    def due_meanwhile(priority: int) -> None:
+        client.start("quick", None, queue="other", priority=priority, delay=0.3)
+        time.sleep(0.5)
+
+    client.start("quick", None, queue="other", priority=9, delay=3600)  # not due
+    offer()
+    due_meanwhile(-1)
+    assert handed(0)
+    offer()  # claims the priority -1 run
+    due_meanwhile(5)
+    assert not handed(5)
+    assert not handed(0)
+    assert handed(6)
+
+
+def test_a_handed_run_whose_first_extension_is_busy_is_not_run_twice_at_once(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A handed run begins on its first lease (5 s) and the worker extends it at once. That
+    heartbeat may find the run's row busy (the run's own first checkpoint, an operator's
+    short transaction): it is tried again until it extends the lease, not left to the
+    periodic beat a third of a whole lease later, after the first lease lapsed and another
+    worker took the run and began the step that was still running here."""
+    with worker_process(dsn, "--lease", "120") as first:
+        wait_for(lambda: scalar(db, "select worker_id from flowly.handoff_slots"),
+                 what="an idle slot offered")
+        first.signal(signal.SIGSTOP)  # a short pause of the worker (its loop blocked, say)
+        run_id = client.start("three_steps", {"step_seconds": 10})
+        with psycopg.connect(dsn) as operator:
+            operator.execute("select from flowly.runs where id = %s for update", (run_id,))
+            first.signal(signal.SIGCONT)
+            wait_for(lambda: effects(db, run_id), timeout=5, what="the first step begun")
+            time.sleep(0.5)  # the extension, answered busy
+        with running_worker(dsn, workflows=["three_steps"], lease=120):
+            time.sleep(7)  # past the first lease, with a second worker claiming
+            ran = effects(db, run_id)
+            epoch = scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id)
+        first.stop()
+    assert [step for step, _ in ran] == ["a"]
+    assert epoch == 1  # still the hand-off's lease: nobody claimed it

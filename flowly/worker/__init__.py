@@ -83,6 +83,11 @@ _SCHEDULE_TICK_MAX = 15.0
 _SHUTDOWN_GRACE = 5.0
 # rows and bytes of replay data one read fetches
 _REPLAY_PAGE_ROWS = 500
+# a handed-off run's first lease whose extension was answered busy (or failed) is tried
+# again after these pauses (first, at most); its execution here stops this long before that
+# lease ends unextended
+_EXTEND_RETRY_FIRST, _EXTEND_RETRY_MAX = 0.05, 0.5
+_FIRST_LEASE_MARGIN = 0.5
 
 __all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "Worker"]
 
@@ -624,18 +629,36 @@ class Worker:
             self._begin_handed(run, sent + handed.lease_seconds)
 
     async def _extend_handed_lease(self, held: _Held) -> None:
-        """Extend a handed-off run's short first lease to a whole one: a heartbeat of it."""
-        sent = time.monotonic()
-        try:
-            rows = await self._heartbeat_one(held.run_id, held.epoch, self.lease)
-        except Exception as exc:  # the periodic heartbeat tries again
-            logger.warning("could not extend the lease of run %s handed to us: %s",
-                           held.run_id, exc)
-            return
-        lost, kept = settle([(held.run_id, held.epoch, held)], rows)
-        for token in lost:
-            self._lost(token)
-        _leases_kept(kept, sent + self.lease)
+        """Extend a handed-off run's short first lease to a whole one: a heartbeat of it,
+        tried again at short pauses while the run's row is busy (the run's own first
+        checkpoint may hold it) or the call fails. The periodic beat comes only a third of a
+        whole lease later, after a first lease has lapsed: a run still unextended shortly
+        before its first lease ends is stopped here, as a lost one, since any claim may take
+        it from then on."""
+        pause = _EXTEND_RETRY_FIRST
+        first_lease_end = held.lease_until
+        while self._held.get(held.run_id) is held and held.lease_until <= first_lease_end:
+            sent = time.monotonic()
+            try:
+                rows = await self._heartbeat_one(held.run_id, held.epoch, self.lease)
+            except Exception as exc:
+                logger.warning("could not extend the lease of run %s handed to us: %s",
+                               held.run_id, exc)
+            else:
+                lost, kept = settle([(held.run_id, held.epoch, held)], rows)
+                for token in lost:
+                    self._lost(token)
+                _leases_kept(kept, sent + self.lease)
+                if lost or kept:
+                    return
+            if time.monotonic() + pause > first_lease_end - _FIRST_LEASE_MARGIN:
+                logger.warning("run %s handed to us: its first lease ends before it could be"
+                               " extended (its row busy, or the database not answering)",
+                               held.run_id)
+                self._lost(held)
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _EXTEND_RETRY_MAX)
 
     async def _heartbeat_one(self, run_id: str, epoch: int, lease: float) -> list[Any]:
         """Extend one run's lease: no rows if it did; else whether it was lost or busy."""
