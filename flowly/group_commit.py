@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from psycopg import AsyncConnection, AsyncCursor
+from psycopg.errors import QueryCanceled
 from psycopg_pool import AsyncConnectionPool
 
 from .bounded_calls import CONFIRM_CANCEL, end_tasks, within
@@ -55,6 +56,9 @@ class _Completion:
 _Write = _Checkpoint | _Completion
 # the pause before a busy write is queued again: first, growth per try, at most
 _BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
+# the JSON text one flush sends at most (an output larger than this goes alone): large outputs
+# that are each allowed must not add up to a statement that outlasts the statement timeout
+MAX_BATCH_CHARS = 4 * 1024 * 1024
 
 
 class GroupCommitter:
@@ -126,7 +130,8 @@ class GroupCommitter:
         if self._closing:  # nobody will flush it: its run is abandoned, its lease expires
             item.done.set_exception(RunBusy(f"run {item.run_id} still busy at shutdown"))
             return
-        pause = min(_BUSY_PAUSE_FIRST * 2 ** (item.tries - 1), _BUSY_PAUSE_MAX)
+        # the exponent bounded: a row held for a thousand tries must not overflow a float
+        pause = min(_BUSY_PAUSE_FIRST * 2 ** min(item.tries - 1, 16), _BUSY_PAUSE_MAX)
         asyncio.get_running_loop().call_later(pause, self._requeue, item)
 
     def _requeue(self, item: _Write) -> None:
@@ -145,26 +150,50 @@ class GroupCommitter:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = self._pending[: self._max_batch]
-            del self._pending[: self._max_batch]
-            try:
-                await within(self._timeout, self._flush(batch))
-            except Exception as exc:
-                if is_contention(exc) or is_connection_failure(exc):
-                    # the connection failed (or, rarely, the batch lost a deadlock): each run
-                    # sorts that out as for any write of its own
-                    logger.warning("group commit of %d writes failed: %s", len(batch), exc)
-                    _fail_all(batch, exc)
-                    continue
+            batch = self._next_batch()
+            await self._write(batch)
+
+    def _next_batch(self) -> list[_Write]:
+        """The oldest pending writes, at most ``max_batch`` of them and, but for the first,
+        at most MAX_BATCH_CHARS of JSON in all."""
+        size = 0
+        taken = 0
+        for item in self._pending[: self._max_batch]:
+            size += len(item.payload)
+            if taken and size > MAX_BATCH_CHARS:
+                break
+            taken += 1
+        batch = self._pending[:taken]
+        del self._pending[:taken]
+        return batch
+
+    async def _write(self, batch: list[_Write]) -> None:
+        """Flush ``batch``, and settle what the database's answer means for each write."""
+        try:
+            await within(self._timeout, self._flush(batch))
+        except Exception as exc:
+            if len(batch) > 1 and isinstance(exc, QueryCanceled):
+                # the batch outlasted the statement timeout: its halves go one after the
+                # other, so a write too slow on its own fails only its run
+                logger.warning("group commit of %d writes cut off (%s); writing them in halves",
+                               len(batch), exc)
+                half = len(batch) // 2
+                await self._write(batch[:half])
+                await self._write(batch[half:])
+            elif is_contention(exc) or is_connection_failure(exc):
+                # the connection failed (or, rarely, the batch lost a deadlock): each run
+                # sorts that out as for any write of its own
+                logger.warning("group commit of %d writes failed: %s", len(batch), exc)
+                _fail_all(batch, exc)
+            elif len(batch) > 1:
                 # the database refused the batch for one item's content: write them one by
                 # one, so only the culprit gets the error
-                logger.warning("group commit of %d writes refused (%s); writing them one by one",
-                               len(batch), exc)
+                logger.warning("group commit of %d writes refused (%s); writing them one by"
+                               " one", len(batch), exc)
                 for item in batch:
-                    try:
-                        await within(self._timeout, self._flush([item]))
-                    except Exception as item_exc:
-                        _fail_all([item], item_exc)
+                    await self._write([item])
+            else:
+                _fail_all(batch, exc)
 
     async def _flush(self, batch: list[_Write]) -> None:
         checkpoints = [item for item in batch if isinstance(item, _Checkpoint)]

@@ -49,6 +49,111 @@ def test_a_checkpoint_the_database_refuses_fails_only_its_own_run(
     assert len(client.failed_attempts(bad)) == 1  # refused output: no retry can change it
 
 
+def test_a_completion_the_database_refuses_fails_only_its_own_run(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """As for a checkpoint: the database refuses one run's output (an operator's constraint
+    on runs) in a flush of completions. Only that run fails, with its own error and without
+    retries; it was claimed again at every lease instead, its body run each time."""
+    db.execute("alter table flowly.runs add constraint no_poison"
+               " check (output is distinct from '\"poison\"')")
+    good = [client.start("echo", {"value": i, "wait": 0.3}) for i in range(20)]
+    bad = client.start("echo", {"value": "poison", "wait": 0.3})
+    with running_worker(dsn, concurrency=64, lease=1.5):
+        assert [client.wait(r, timeout=30).output for r in good] == list(range(20))
+        culprit = client.wait(bad, timeout=30)
+    assert culprit.status == "dead_letter"
+    assert culprit.error["type"] == "CheckViolation"
+    assert "no_poison" in culprit.error["message"]
+    # one claim, then the dead letter's revocation of its lease
+    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", bad) == 2
+
+
+@flowly.workflow("hardening.output_of")
+async def output_of(ctx: flowly.Context, inp: dict[str, Any]) -> int:
+    """One step returning ``chars`` characters, all runs' steps ending at the time ``at``."""
+    async def give() -> str:
+        await asyncio.sleep(max(0.0, inp["at"] - time.time()))
+        return "x" * inp["chars"]
+
+    return len(await ctx.step("give", give))
+
+
+def test_large_outputs_that_end_together_are_flushed_apart(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """Outputs each within max_output_bytes add up: the group committer sent every write
+    queued in one statement (128 of 8 MB: 1 GB), which outlasted the statement timeout and
+    failed the whole batch. A flush now carries at most MAX_BATCH_CHARS of JSON (a larger
+    output goes alone); an operator's statement trigger counts what each insert wrote."""
+    from flowly.group_commit import MAX_BATCH_CHARS
+
+    db.execute("create table public.step_inserts (rows bigint, chars bigint)")
+    db.execute("""
+        create function public.count_step_inserts() returns trigger language plpgsql as $$
+        begin
+            insert into public.step_inserts
+            select count(*), sum(octet_length(n.output::text)) from new_steps n;
+            return null;
+        end $$""")
+    db.execute("create trigger count_step_inserts after insert on flowly.steps"
+               " referencing new table as new_steps for each statement"
+               " execute function public.count_step_inserts()")
+    chars = MAX_BATCH_CHARS * 3 // 4
+    at = time.time() + 2
+    runs = [client.start("hardening.output_of", {"chars": chars, "at": at}) for _ in range(6)]
+    with running_worker(dsn, workflows=["hardening.output_of"], concurrency=8):
+        assert [client.wait(r, timeout=60).output for r in runs] == [chars] * 6
+    inserts = db.execute("select rows, chars from public.step_inserts"
+                         " where chars > 0").fetchall()
+    assert sum(rows for rows, _ in inserts) == 6
+    assert max(written for _, written in inserts) < MAX_BATCH_CHARS
+
+
+def test_a_flush_that_outlasts_the_statement_timeout_fails_only_the_slow_write(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], caplog: Any
+) -> None:
+    """One write the database takes too long over (here an operator's trigger that sleeps on
+    one run's output) cut the whole batch off at the statement timeout, and every run in it
+    was abandoned until its lease lapsed. The batch is written again in halves: the others
+    land, and only the slow run is abandoned."""
+    db.execute("""
+        create function public.slow_for_snail() returns trigger language plpgsql as $$
+        begin
+            if new.output = '"snail"' then perform pg_sleep(6); end if;
+            return new;
+        end $$""")
+    db.execute("create trigger slow_for_snail before insert on flowly.steps for each row"
+               " execute function public.slow_for_snail()")
+    good = [client.start("echo", {"value": i, "wait": 0.5}) for i in range(7)]
+    slow = client.start("echo", {"value": "snail", "wait": 0.5})
+    with running_worker(dsn, concurrency=16, lease=2):
+        assert [client.wait(r, timeout=60).output for r in good] == list(range(7))
+    assert "abandoned until its lease expires" in caplog.text  # the slow one
+    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", slow) >= 1
+    assert [scalar(db, "select lease_epoch from flowly.runs where id = %s", r)
+            for r in good] == [1] * 7
+
+
+def test_a_checkpoint_busy_for_a_thousand_tries_is_still_tried_again(
+    dsn: str, client: flowly.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pause before a busy write's next try grows with its tries: past 1,024 of them (17
+    minutes of a held row) it overflowed a float, and the run failed with OverflowError. The
+    pauses are cut to a millisecond here so that the thousand tries take seconds."""
+    import flowly.group_commit as group_commit
+
+    monkeypatch.setattr(group_commit, "_BUSY_PAUSE_MAX", 0.001)
+    run_id = client.start("echo", {"value": 1, "wait": 1.0})
+    with running_worker(dsn, concurrency=4), psycopg.connect(dsn) as holder:
+        wait_for(lambda: client.get(run_id).status == "running", what="the run claimed")
+        holder.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        time.sleep(10)  # more than 1,025 tries of 1 ms and a round trip each
+        holder.rollback()
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed", (run.status, run.error)
+
+
 def test_ids_and_names_too_long_to_checkpoint_are_refused_up_front(
     client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:

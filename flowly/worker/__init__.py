@@ -37,6 +37,7 @@ from ..context import (
     Context,
     Interrupt,
     LeaseLostInterrupt,
+    RefusedWrite,
     RunAbandoned,
     WaitInterrupt,
     call_user_function,
@@ -854,8 +855,9 @@ class Worker:
     async def _run_body(self, held: _Held, workflow: Workflow, ctx: Context, input: Any) -> str:
         """Run the workflow body; returns 'compensate' when the saga must run, else 'done'.
 
-        Only failures of the body itself (or an output that is not JSON) go to ``fail_run``;
-        a lost lease or connection propagates to :meth:`_execute` as an interrupt.
+        Only failures of the body itself (or an output that is not JSON, or that the database
+        refuses) go to ``fail_run``; a lost lease or connection propagates to
+        :meth:`_execute` as an interrupt.
         """
         try:
             result = await _call_body(workflow, ctx, input)
@@ -889,16 +891,24 @@ class Worker:
             await ctx.settled()
             if ctx.compensating:
                 return "compensate"
-            retryable = not isinstance(exc, NOT_RETRYABLE)
-            logger.info("run %s failed outside a step%s: %r", held.run_id,
-                        "" if retryable else " (not retryable)", exc)
-            row = await run_write(held.run_id, partial(
-                self._call_one, self._calls.fail_run,
-                (held.run_id, held.epoch, Jsonb(error_info(exc)), retryable)))
-            return str(row[0])
-        await run_write(held.run_id,
-                        partial(self._committer.complete, held.run_id, held.epoch, payload))
+            return await self._fail_run(held, exc, not isinstance(exc, NOT_RETRYABLE))
+        try:
+            await run_write(held.run_id,
+                            partial(self._committer.complete, held.run_id, held.epoch, payload))
+        except RefusedWrite as refused:
+            # the database refused the output itself (an operator's constraint, a number
+            # jsonb cannot hold): every attempt would meet the same refusal
+            return await self._fail_run(held, refused.__cause__ or refused, False)
         return "done"
+
+    async def _fail_run(self, held: _Held, exc: BaseException, retryable: bool) -> str:
+        """Store the body's failure; returns what the database decided for the run."""
+        logger.info("run %s failed outside a step%s: %r", held.run_id,
+                    "" if retryable else " (not retryable)", exc)
+        row = await run_write(held.run_id, partial(
+            self._call_one, self._calls.fail_run,
+            (held.run_id, held.epoch, Jsonb(error_info(exc)), retryable)))
+        return str(row[0])
 
     async def _compensate(self, held: _Held, ctx: Context) -> None:
         """Run the compensations of completed steps, last reached first (body order, which a
