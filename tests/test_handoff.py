@@ -434,3 +434,39 @@ def test_a_handed_run_whose_first_extension_is_busy_is_not_run_twice_at_once(
         first.stop()
     assert [step for step, _ in ran] == ["a"]
     assert epoch == 1  # still the hand-off's lease: nobody claimed it
+
+
+def test_inputs_around_the_payload_limit_are_handed_off_whole_or_not_at_all(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """The payload is built again at commit from the run as stored: inputs of 3-byte
+    characters (and escapes) whose payload lands just under the limit arrive intact, those
+    just over it go the claim's way, and no commit fails on a payload too long."""
+    with running_worker(dsn, workflows=["echo"], poll_interval=5) as worker:
+        handed = {}
+        for chars in range(2530, 2580, 5):
+            wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+            value = "\u20ac" * chars + "\"\n\u0001"
+            run_id = client.start("echo", {"value": value})
+            handed[chars] = handed_off(db, run_id)
+            assert client.wait(run_id, timeout=15).output == value
+    assert any(handed.values()) and not all(handed.values()), handed
+
+
+def test_a_start_rolled_back_to_a_savepoint_hands_nothing_off(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """The slot taken in a subtransaction that rolls back is free again, and nothing is sent."""
+    with running_worker(dsn, workflows=["three_steps"], poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        with psycopg.connect(dsn) as tx:
+            tx.execute("savepoint s")
+            run_id = scalar(tx, "select flowly.start('three_steps', '{}')")
+            tx.execute("rollback to savepoint s")
+        assert scalar(db, "select count(*) from flowly.handoff_slots"
+                          " where handed_run_id is not null") == 0
+        time.sleep(1)
+        assert effects(db, run_id) == []
+        assert scalar(db, "select count(*) from flowly.runs where id = %s", run_id) == 0
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        again = client.start("three_steps", {})
+        assert client.wait(again, timeout=15).status == "completed"
+        assert handed_off(db, again)
