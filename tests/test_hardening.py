@@ -129,10 +129,11 @@ def test_a_flush_that_outlasts_the_statement_timeout_fails_only_the_slow_write(
     slow = client.start("echo", {"value": "snail", "wait": 0.5})
     with running_worker(dsn, concurrency=16, lease=2):
         assert [client.wait(r, timeout=60).output for r in good] == list(range(7))
-    assert "abandoned until its lease expires" in caplog.text  # the slow one
-    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", slow) >= 1
-    assert [scalar(db, "select lease_epoch from flowly.runs where id = %s", r)
-            for r in good] == [1] * 7
+    abandoned = {record.args[0] for record in caplog.records  # type: ignore[index]
+                 if "abandoned until its lease expires" in str(record.msg)}
+    # (a run whose row the slow batch held past its lease may still be taken over and its
+    # step run again: steps are at-least-once; it is no longer given up with the batch)
+    assert abandoned == {slow}, (abandoned, slow)
 
 
 def test_a_checkpoint_busy_for_a_thousand_tries_is_still_tried_again(
