@@ -59,6 +59,10 @@ _BUSY_PAUSE_FIRST, _BUSY_PAUSE_MAX = 0.02, 1.0
 # the JSON text one flush sends at most (an output larger than this goes alone): large outputs
 # that are each allowed must not add up to a statement that outlasts the statement timeout
 MAX_BATCH_CHARS = 4 * 1024 * 1024
+# the JSON text above which a flush's two calls go one after the other, not pipelined: a
+# pipeline whose messages outgrow the socket's buffer was left half sent (seen on a unix
+# socket with a 3 MB checkpoint: the server waited for the rest of it until the call timed out)
+_PIPELINE_MAX_CHARS = 64 * 1024
 
 
 class GroupCommitter:
@@ -202,7 +206,7 @@ class GroupCommitter:
         completion_rows: list[Any] = []
         async with self._pool.connection() as conn:
             with translated_errors():
-                if checkpoints and completions:
+                if checkpoints and completions and _chars(batch) <= _PIPELINE_MAX_CHARS:
                     # the two calls touch different runs, so each commits on its own: the
                     # sync between them ends the first's transaction; pipelined, they still
                     # cost one round trip together (a lone call skips the pipeline's toll)
@@ -212,12 +216,13 @@ class GroupCommitter:
                         completion_cursor = await self._complete_runs(conn, completions)
                         checkpoint_rows = await checkpoint_cursor.fetchall()
                         completion_rows = await completion_cursor.fetchall()
-                elif checkpoints:
-                    checkpoint_rows = await (
-                        await self._checkpoint_steps(conn, checkpoints)).fetchall()
                 else:
-                    completion_rows = await (
-                        await self._complete_runs(conn, completions)).fetchall()
+                    if checkpoints:
+                        checkpoint_rows = await (
+                            await self._checkpoint_steps(conn, checkpoints)).fetchall()
+                    if completions:
+                        completion_rows = await (
+                            await self._complete_runs(conn, completions)).fetchall()
         # rows come back in input order, one per item
         for item, (_, name, lease_lost, busy, output, seq) in zip(
                 checkpoints, checkpoint_rows, strict=True):
@@ -263,6 +268,10 @@ class GroupCommitter:
             item.done.set_exception(LeaseLost(f"{what} of run {item.run_id} refused: lease lost"))
         else:
             item.done.set_result(value)
+
+
+def _chars(batch: list[_Write]) -> int:
+    return sum(len(item.payload) for item in batch)
 
 
 def _fail_all(batch: list[_Write], exc: BaseException) -> None:
