@@ -225,3 +225,33 @@ def test_sync_transactional_steps_run_on_although_new_connections_hang_at_their_
     _assert_completed(run)
     assert db.execute("select balance from public.accounts order by name").fetchall() == [
         (970,), (1030,)]
+
+
+def test_bounded_calls_share_one_watchdog_thread_and_are_still_cut_off(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Client with a timeout bounds each call with a Cutoff: one thread for the process
+    watches every deadline (a thread started per call cost a third of a ``start``), and a
+    call that outlasts its time is still cut off."""
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        start(thread)
+
+    with flowly.Client(dsn, timeout=30) as client:
+        client.start("quick", 0)  # connected, and the watchdog running if it was not
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        for _ in range(50):
+            client.start("quick", 0)
+        monkeypatch.undo()
+    assert started == [], started
+    with freezable_proxy(dsn) as proxy, flowly.Client(proxy.dsn, timeout=0.5) as client:
+        client.start("quick", 0)
+        proxy.freeze()
+        began = time.monotonic()
+        with pytest.raises(flowly.DatabaseTimeout):
+            client.start("quick", 0)
+        took = time.monotonic() - began
+        proxy.thaw()
+    assert took < 5, took
