@@ -36,7 +36,7 @@ from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
 from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, translated_errors
 from .errors import (
-    DatabaseTimeout,
+    FlowlyError,
     InvalidArgument,
     InvalidState,
     RunNotFound,
@@ -791,13 +791,13 @@ def _run(args: argparse.Namespace) -> int:
     except (InvalidState, InvalidArgument) as exc:
         code = EXIT_USAGE if isinstance(exc, InvalidArgument) else EXIT_FAILED
         raise CliError(str(exc), code) from None
-    except DatabaseTimeout as exc:
-        raise CliError(str(exc)) from None
     except SchemaNotInstalled:
         raise CliError(f"flowly is not installed in schema {quote_ident(args.schema)} of this"
                        " database; run `flowly install`") from None
     except SchemaError as exc:  # a name Postgres cannot use is a bad invocation
         raise CliError(str(exc), EXIT_USAGE) from None
+    except FlowlyError as exc:  # RunBusy, DatabaseTimeout, ...: the engine said what is wrong
+        raise CliError(one_line(str(exc))) from None
     except psycopg.OperationalError as exc:
         if exc.sqlstate is None:  # no server answered: the connection itself failed
             raise CliError(f"cannot connect to the database: {one_line(str(exc))}") from None

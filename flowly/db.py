@@ -160,6 +160,7 @@ def schema_statement(schema: str, text: str, **literals: Any) -> sql.SQL:
 
 
 CLAIMED_INPUT_BYTES = 64 * 1024
+CHILD_LOCK_WAIT = "50ms"
 
 
 class Calls:
@@ -182,6 +183,14 @@ class Calls:
             " parent_lease_epoch => %(parent_lease_epoch)s,"
             " parent_step => %(parent_step)s, parent_position => %(parent_position)s)"
         )
+        # a worker's ctx.start: it holds a pooled connection and the parent's row while it
+        # waits for a lock (another transaction's uncommitted run of the same concurrency
+        # key), so it waits briefly; the busy error makes it try again after a pause
+        # holding neither. The setting ends with the statement's transaction.
+        self.start_child = rendered(
+            q("with brief_lock_waits as materialized"
+              " (select set_config('lock_timeout', {wait}, true)) ", wait=CHILD_LOCK_WAIT)
+            + self.start + q(" from brief_lock_waits"))
         # start and, in the same round trip, whether a live worker serves the run
         self.start_and_served = rendered(self.start + q(
             ", exists (select from {s}.workers w where w.last_seen_at + w.lease > now()"

@@ -336,18 +336,24 @@ def test_no_worker_write_waits_on_an_open_transactional_step(
                 rows = call(what, query, epoch)
             except flowly.RunBusy:
                 continue
-            assert what == "complete" and rows == [("r", False, True)], (what, rows)
+            # r is past its timeout: its completion is refused as a stale lease's is
+            assert what == "complete" and rows == [("r", True, False)], (what, rows)
         assert scalar(db, "select status from flowly.runs where id = 'r'") == "running"
         slow = {what: took for what, took in calls.items() if took > 0.9}
         assert not slow, f"worker calls waited on the open step: {slow}"
         # the sweep left r alone while the step was open; nothing of it is visible yet
         assert logged(db, "r", "move") == 0 and balances(db)["a"] == 1000
+        # past its timeout the step's checkpoint would be refused (its effect with it): the
+        # timeout moved on, the step commits
+        db.execute("update flowly.runs set timeout_at = now() + interval '1 hour'"
+                   " where id = 'r'")
         _checkpoint_step(step, "r", epoch)
     finally:
         step.close()
     assert logged(db, "r", "move") == checkpointed(db, "r", "move") == 1
     assert balances(db)["a"] == 999
     # now the sweep may end it (its timeout passed)
+    db.execute("update flowly.runs set timeout_at = now() - interval '1 s' where id = 'r'")
     db.execute("select flowly.dead_letter_stalled_runs()")
     assert scalar(db, "select status from flowly.runs where id = 'r'") == "dead_letter"
     assert_nothing_committed_after_the_end(db, "r")

@@ -163,7 +163,7 @@ class _RunStore:
         params["parent_lease_epoch"] = self._held.epoch
         params["parent_step"] = record
         params["parent_position"] = position
-        row = await self._worker._call_one(self._worker._calls.start, params)
+        row = await self._worker._call_one(self._worker._calls.start_child, params)
         return str(row[0])
 
     async def transaction(
