@@ -254,6 +254,12 @@ select not exists (select from schema_migrations where version = 37) as apply_mi
     insert into schema_migrations (version, name) values (37, '0037_timeouts_fence_writes');
 \endif
 
+select not exists (select from schema_migrations where version = 38) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0038_wait_helpers_planned_once.sql
+    insert into schema_migrations (version, name) values (38, '0038_wait_helpers_planned_once');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

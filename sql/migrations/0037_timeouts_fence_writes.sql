@@ -14,16 +14,6 @@
 -- the row (a cancel in psql) held an application's send_event, or `flowly send-event`, for as
 -- long. It now gives up after 5 s with WF005 (RunBusy, try again), as cancel does.
 
--- Whether a run in this status is past its timeout: it may not go on (the claim's and the
--- sweep's rule; now() as they read it). A SQL function with no search_path of its own (it
--- names nothing of the schema), so that PostgreSQL inlines it into the queries that call it.
-create function timed_out(p_status text, p_timeout_at timestamptz) returns boolean
-language sql
-stable parallel safe
-as $$
-    select coalesce(p_timeout_at < now(), false) and p_status <> 'compensating'
-$$;
-
 -- check_fence as in 0003, a run past its timeout fenced like a stale lease.
 create or replace function check_fence(
     p_run_id text, p_epoch bigint, p_statuses text[], p_run runs, p_locked boolean
@@ -43,7 +33,7 @@ begin
         raise exception 'lease lost on run %: fencing token % is stale (run is % at epoch %)',
             p_run_id, p_epoch, p_run.status, p_run.lease_epoch using errcode = 'WF001';
     end if;
-    if timed_out(p_run.status, p_run.timeout_at) then
+    if p_run.timeout_at < now() and p_run.status <> 'compensating' then
         raise exception 'lease lost on run %: its timeout ended at %', p_run_id,
             p_run.timeout_at using errcode = 'WF001';
     end if;
@@ -96,7 +86,7 @@ begin
             select i.*, f.generation, f.takeovers from items i
             join fenced f on f.id = i.run_id and f.lease_epoch = i.epoch
             where f.status in ('running', 'compensating')
-              and not timed_out(f.status, f.timeout_at)
+              and (f.timeout_at is null or f.timeout_at >= now() or f.status = 'compensating')
         ), inserted as (
             insert into steps as s (run_id, name, seq, position, status, output, attempts,
                                     started_at, compensable)
@@ -128,7 +118,8 @@ begin
             busy := v_item.unlocked and exists (
                 select from runs r where r.id = v_item.run_id and r.lease_epoch = v_item.epoch
                   and r.status in ('running', 'compensating')
-                  and not timed_out(r.status, r.timeout_at));
+                  and (r.timeout_at is null or r.timeout_at >= now()
+                       or r.status = 'compensating'));
         elsif seq is null then
             -- a duplicate: stored before, or committed while our insert waited for it (after
             -- the statement's snapshot was taken: this new statement sees it)
@@ -175,7 +166,7 @@ begin
         from items i
         join locked l on l.id = i.id
         where r.id = l.id and l.lease_epoch = i.epoch and l.status = 'running'
-          and not timed_out(l.status, l.timeout_at)
+          and (l.timeout_at is null or l.timeout_at >= now())
         returning r.id
     )
     select i.id, d.id is null and not b.busy, d.id is null and b.busy
@@ -186,7 +177,7 @@ begin
     cross join lateral (
         select case when l.id is null then exists (
             select from runs r where r.id = i.id and r.lease_epoch = i.epoch
-              and r.status = 'running' and not timed_out(r.status, r.timeout_at))
+              and r.status = 'running' and (r.timeout_at is null or r.timeout_at >= now()))
             else false end as busy
     ) b
     order by i.ord;
