@@ -16,7 +16,7 @@ from typing import Any
 
 from .db import check_schema_name, dumps_argument, schema_statement
 from .errors import InvalidArgument
-from .workflow import WorkflowFn, lookup
+from .workflow import WorkflowFn, int4, lookup
 
 MISSED = ("skip", "run_once")
 OVERLAP = ("allow", "skip")
@@ -66,9 +66,14 @@ class ScheduleCalls:
         self.list = q("select * from {s}.schedules order by name")
         self.cron_next = q(
             "select {s}.cron_next(%s, coalesce(%s::timestamptz, now()), %s) as fire_at")
-        # starts the runs of the due schedules (any worker may call it at any time; the SQL
-        # takes each schedule with skip locked)
-        self.tick = q("select * from {s}.tick_schedules()")
+        # starts the runs of the due schedules, at most TICK_BATCH of them (any worker may
+        # call it at any time; the SQL takes each schedule with skip locked)
+        self.tick = q("select * from {s}.tick_schedules({batch})", batch=TICK_BATCH)
+
+
+TICK_BATCH = 100
+"""Schedules one ``tick_schedules`` call handles; a worker calls again while it gets a full
+batch that started something."""
 
 
 @cache
@@ -88,19 +93,18 @@ def schedule_params(
     if not isinstance(cron, str):
         raise InvalidArgument(f"schedule {name!r}: cron must be a string, got"
                               f" {type(cron).__name__} {cron!r}")
-    if not isinstance(priority, int) or not -2**31 <= priority < 2**31:
-        raise InvalidArgument(f"schedule {name!r}: priority must be an integer that fits 32"
-                              f" bits, got {priority!r}")
+    if max_attempts is None:
+        max_attempts = defaults.max_attempts if defaults else 3
     return {
         "name": name, "cron": cron, "workflow": workflow_name,
         "input": dumps_argument(input, f"input of schedule {name!r}"),
         "timezone": timezone,
         "queue": queue if queue is not None else (defaults.queue if defaults else "default"),
-        "priority": priority, "missed": missed, "overlap": overlap,
-        "max_attempts": max_attempts if max_attempts is not None
-        else (defaults.max_attempts if defaults else 3),
+        "priority": int4(f"priority of schedule {name!r}", priority),
+        "missed": missed, "overlap": overlap,
+        "max_attempts": int4(f"max_attempts of schedule {name!r}", max_attempts),
     }
 
 
-__all__ = ["MISSED", "OVERLAP", "Schedule", "ScheduleCalls", "schedule_calls",
+__all__ = ["MISSED", "OVERLAP", "TICK_BATCH", "Schedule", "ScheduleCalls", "schedule_calls",
            "schedule_params", "to_schedule"]

@@ -142,11 +142,11 @@ def start_params(
         "run_id": _text(workflow, "run_id", run_id),
         "queue": _text(workflow, "queue", _option(
             options, "queue", defaults.queue if defaults else "default")),
-        "priority": _int4(workflow, "priority", _option(options, "priority", 0)),
+        "priority": int4(f"priority of a {workflow!r} run", _option(options, "priority", 0)),
         "scheduled_for": options.get("scheduled_for"),
         "delay": _interval(workflow, "delay", options.get("delay")),
         "concurrency_key": _text(workflow, "concurrency_key", options.get("concurrency_key")),
-        "max_attempts": _int4(workflow, "max_attempts", _option(
+        "max_attempts": int4(f"max_attempts of a {workflow!r} run", _option(
             options, "max_attempts", defaults.max_attempts if defaults else 3)),
         "timeout": _interval(workflow, "timeout", options.get("timeout")),
         "parent_run_id": None,
@@ -175,13 +175,13 @@ def _text(workflow: Any, name: str, value: Any) -> str | None:
     return value
 
 
-def _int4(workflow: str, name: str, value: Any) -> int:
-    """``value`` if the database's integer can hold it (the SQL checks its range of meaning)."""
+def int4(what: str, value: Any) -> int:
+    """``value`` if the database's integer can hold it (the SQL checks its range of meaning);
+    ``what`` names it in the error."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(
-            f"{name} of a {workflow!r} run must be an integer, got {type(value).__name__}")
+        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
     if not -2**31 <= value < 2**31:
-        raise InvalidArgument(f"{name} of a {workflow!r} run is out of range: {value}")
+        raise InvalidArgument(f"{what} is out of range: {value}")
     return value
 
 

@@ -52,7 +52,7 @@ from ..group_commit import GroupCommitter
 from ..render import one_line
 from ..replay import ReplayLog, StoredStep
 from ..retry import Retry
-from ..schedules import schedule_calls
+from ..schedules import TICK_BATCH, schedule_calls
 from ..schema import check_current, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
@@ -761,10 +761,22 @@ class Worker:
     async def _tick_schedules(self, tick: psycopg.sql.SQL) -> None:
         """Start the runs of due cron schedules (``tick``, ScheduleCalls'). Any worker may:
         tick_schedules takes each schedule with skip locked and names each run after its fire
-        time, so workers ticking at once never start a fire time twice."""
-        for name, fire_at, _run_id, outcome in await self._call(tick, None):
-            logger.log(logging.WARNING if outcome == "error" else logging.INFO,
-                       "schedule %s, fire time %s: %s", name, fire_at, outcome)
+        time, so workers ticking at once never start a fire time twice.
+
+        A tick handles a batch of schedules: while one comes back full and not all failed
+        (those that failed are taken last), more may be due, and they must fire within the
+        minute after which a fire time counts as missed, so the worker ticks again at once.
+        """
+        while True:
+            handled, failed = set(), set()
+            for name, fire_at, _run_id, outcome in await self._call(tick, None):
+                handled.add(name)
+                if outcome == "error":
+                    failed.add(name)
+                logger.log(logging.WARNING if outcome == "error" else logging.INFO,
+                           "schedule %s, fire time %s: %s", name, fire_at, outcome)
+            if len(handled) < TICK_BATCH or failed == handled:
+                return
 
     async def _apply_missed_wakeups(self) -> None:
         """Make due the parked runs whose wake-up found their row locked by another
