@@ -619,6 +619,9 @@ class Context:
         return self._track(f"wait for run {run_id!r}", self._wait_for_run(run_id))
 
     async def _wait_for_run(self, run_id: str) -> Any:
+        if run_id == self.run_id:
+            # it would park until the year 9999 (a ctx.run(run_id=ctx.run_id) comes here too)
+            raise WorkflowCodeError(f"run {run_id} cannot wait for itself")
         outcome = await self._wait_outcome(
             "run", run_id,
             lambda record, position: self._store.wait_for_run(record, run_id, position),
