@@ -41,7 +41,8 @@ class Interrupt(BaseException):
 
 
 class SleepInterrupt(Interrupt):
-    """The run sleeps on a durable timer; it was released and resumes at wake time."""
+    """The run sleeps on a durable timer (``Context.sleeping``); the worker releases it until
+    the wake time once the body ended."""
 
 
 class WaitInterrupt(Interrupt):
@@ -80,7 +81,8 @@ class RunStore(Protocol):
     ) -> tuple[Any, int]: ...
 
     async def sleep(
-        self, name: str, wake_at: datetime | None, seconds: float | None, position: int
+        self, name: str, wake_at: datetime | None, seconds: float | None, position: int,
+        release: bool,
     ) -> tuple[datetime, bool]: ...
 
     async def fail_step(
@@ -309,6 +311,8 @@ class Context:
         self._calls: list[_Call] = []
         # the waits this execution reached that must wait (the run is parked on them)
         self.waiting: list[str] = []
+        # the sleep this execution reached whose wake time is ahead: (name, wake time, position)
+        self.sleeping: tuple[str, datetime, int] | None = None
         self._wait_counts: dict[str, int] = {}
 
     @property
@@ -541,9 +545,14 @@ class Context:
         if isinstance(timer, StoredTimer) and timer.due:
             return
         await self._stop_if_decided()
-        stored_wake_at, released = await self._write(
-            lambda: self._store.sleep(name, wake_at, seconds, position), refused_raises=True)
-        if released:
+        # the wake time is stored now, as the sleep is reached; the worker releases the run
+        # once the steps running beside it landed (under a release their checkpoints would be
+        # stale, and they would run again)
+        stored_wake_at, ahead = await self._write(
+            lambda: self._store.sleep(name, wake_at, seconds, position, False),
+            refused_raises=True)
+        if ahead:
+            self.sleeping = (name, stored_wake_at, position)
             raise SleepInterrupt(name)
         self.history.record(name, StoredTimer(stored_wake_at, True))
 

@@ -225,7 +225,7 @@ class Calls:
             "select * from {s}.checkpoint_steps(%b, %b, %b, %b::jsonb[], %b, %b, %b)"
         )
         self.complete_runs = q("select * from {s}.complete_runs(%b, %b, %b::jsonb[])")
-        self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s, %s)")
+        self.sleep = q("select * from {s}.sleep(%s, %s, %s, %s, %s, %s, %s)")
         self.fail_step = q(
             "select * from {s}.fail_step(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
         self.begin_transaction_step = q("select {s}.begin_transaction_step(%s, %s)")

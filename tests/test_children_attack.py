@@ -15,9 +15,12 @@ import flowly
 from tests.support import running_worker, scalar, wait_for
 
 
-def known_defect(reason: str) -> pytest.MarkDecorator:
-    """A defect found and not fixed yet: the test fails until it is (then strict xfail fails)."""
-    return pytest.mark.xfail(strict=True, reason=f"known defect: {reason}")
+def known_defect(reason: str, *, timing: bool = False) -> pytest.MarkDecorator:
+    """A defect found and not fixed yet: the test fails until it is, and then, as a strict
+    xfail, fails until the mark goes. One whose failure depends on timing (which branch of a
+    gather gets there first) may pass by luck, so it is not strict: ``pytest --runxfail``
+    shows it failing."""
+    return pytest.mark.xfail(strict=not timing, reason=f"known defect: {reason}")
 
 # -- workflows -------------------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ def test_retrying_a_fan_in_parent_after_both_failed_runs_were_retried_completes(
 
 @known_defect(
     "default child ids count starts in the order branches reach them, which differs "
-    "between a first execution and a replay")
+    "between a first execution and a replay", timing=True)
 def test_parallel_branches_get_their_own_child_back_on_replay(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -139,7 +142,7 @@ def test_parallel_branches_get_their_own_child_back_on_replay(
 
 @known_defect(
     "repeated waits for one event are numbered in the order branches reach them, "
-    "which differs between a first execution and a replay")
+    "which differs between a first execution and a replay", timing=True)
 def test_parallel_waits_for_one_event_replay_the_payload_each_branch_used(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -188,7 +191,7 @@ async def tc_wait_beside_backoff(ctx: flowly.Context, inp: Any) -> Any:
 
 @known_defect(
     "a wait row left by a park that lost to a step's retry release still wakes the "
-    "run early")
+    "run early", timing=True)
 def test_a_child_finishing_does_not_cut_short_the_backoff_of_a_sibling_step(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -404,8 +407,6 @@ async def tc_sleep_beside_step(ctx: flowly.Context, inp: Any) -> Any:
     return worked
 
 
-@known_defect(
-    "a sleep releases the run at once, without waiting for sibling steps in flight")
 def test_a_sleep_in_one_branch_does_not_throw_away_a_sibling_step_in_flight(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:

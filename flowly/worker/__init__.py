@@ -39,6 +39,7 @@ from ..context import (
     LeaseLostInterrupt,
     RefusedWrite,
     RunAbandoned,
+    SleepInterrupt,
     WaitInterrupt,
     call_user_function,
     cancel_requested,
@@ -130,11 +131,12 @@ class _RunStore:
         )
 
     async def sleep(
-        self, name: str, wake_at: datetime | None, seconds: float | None, position: int
+        self, name: str, wake_at: datetime | None, seconds: float | None, position: int,
+        release: bool,
     ) -> tuple[datetime, bool]:
         row = await self._worker._call_one(
             self._worker._calls.sleep,
-            (self._held.run_id, self._held.epoch, name, wake_at, seconds, position),
+            (self._held.run_id, self._held.epoch, name, wake_at, seconds, position, release),
         )
         return row[0], row[1]
 
@@ -894,6 +896,17 @@ class Worker:
             await ctx.settled()  # every wait of a fan-in registered, every step landed
             await run_write(held.run_id, partial(
                 self._call, self._calls.park, (held.run_id, held.epoch, ctx.waiting)))
+            return "done"
+        except SleepInterrupt:
+            await ctx.settled()  # steps running beside the sleep land before the release
+            assert ctx.sleeping is not None
+            name, wake_at, position = ctx.sleeping
+            (_, released), = await run_write(held.run_id, partial(
+                self._call, self._calls.sleep,
+                (held.run_id, held.epoch, name, wake_at, None, position, True)))
+            if not released:  # its wake time passed meanwhile: a replay goes on at once
+                await run_write(held.run_id, partial(
+                    self._call, self._calls.release, ([held.run_id], [held.epoch])))
             return "done"
         except Interrupt:
             return "done"

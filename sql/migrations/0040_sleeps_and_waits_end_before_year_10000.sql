@@ -1,6 +1,6 @@
 -- 0040_sleeps_and_waits_end_before_year_10000: a sleep's wake time and an event wait's
 -- deadline must be times clients can read back, as a run's scheduled time and timeout must
--- (0018).
+-- (0018); and a sleep may store its timer without releasing the run.
 --
 -- ctx.sleep("nap", 1e12) stored a timer, and the run's scheduled_for, in the year 33715, and
 -- wait_for_event with such a timeout did the same through park: from then on every client that
@@ -8,11 +8,15 @@
 -- `flowly show`), failed with "timestamp too large (after year 10K)". Both now refuse it with
 -- WF003 (flowly.InvalidArgument in the body: the run fails without retries).
 
--- sleep as in 0003, its wake time before the year 10000.
-create or replace function sleep(
+-- sleep as in 0003, its wake time before the year 10000, and able to store the timer without
+-- releasing the run: the worker stores the wake time when the sleep is reached and releases
+-- the run once the steps running beside the sleep (asyncio.gather) landed. Released under
+-- them, their checkpoints were stale and they ran again after the sleep.
+drop function sleep(text, bigint, text, timestamptz, double precision, integer);
+create function sleep(
     p_run_id text, p_epoch bigint, p_name text,
     p_wake_at timestamptz default null, p_seconds double precision default null,
-    p_position integer default null
+    p_position integer default null, p_release boolean default true
 ) returns table (wake_at timestamptz, released boolean)
 language plpgsql
 set search_path from current
@@ -31,10 +35,11 @@ begin
     on conflict do nothing;
     select t.wake_at into v_wake_at from timers t where t.run_id = p_run_id and t.name = p_name;
     wake_at := v_wake_at;
+    -- with p_release false: whether the caller must release the run (the wake time is ahead)
     released := v_wake_at > now();
-    if released then
+    if released and p_release then
         perform release_held_run(p_run_id, v_wake_at);
-    else
+    elsif not released then
         update timers t set fired_at = now()
         where t.run_id = p_run_id and t.name = p_name and t.fired_at is null;
     end if;
