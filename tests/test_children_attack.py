@@ -312,6 +312,18 @@ def test_a_child_cancelled_while_its_parent_waits_wakes_it_with_child_failed(
     assert took < 5  # woken by NOTIFY, not by the 30 s poll
 
 
+def _claimed(db: psycopg.Connection[Any], workflow: str) -> Any:
+    """The lease epoch of the run of ``workflow`` a claim took."""
+    return scalar(db, "select lease_epoch from flowly.claim('w', array[%s], array['default'],"
+                      " 10, '1 hour')", workflow)
+
+
+def _park_p_on_c(db: psycopg.Connection[Any], p_epoch: Any) -> None:
+    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                  p_epoch) == "waiting"
+    assert scalar(db, "select flowly.park('p', %s, array['run:c'])", p_epoch) is None
+
+
 def test_a_dead_lettered_target_retried_before_its_waiter_reads_it_is_waited_for_again(
     db: psycopg.Connection[Any]
 ) -> None:
@@ -320,28 +332,19 @@ def test_a_dead_lettered_target_retried_before_its_waiter_reads_it_is_waited_for
     not due at once) and receive its output once it completes."""
     db.execute("select flowly.start('tc_sql_p', run_id => 'p')")
     db.execute("select flowly.start('tc_sql_c', run_id => 'c', max_attempts => 1)")
-    p_epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['tc_sql_p'],"
-                         " array['default'], 10, '1 hour')")
-    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
-                  p_epoch) == "waiting"
-    assert scalar(db, "select flowly.park('p', %s, array['run:c'])", p_epoch) is None
-    c_epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['tc_sql_c'],"
-                         " array['default'], 10, '1 hour')")
+    p_epoch = _claimed(db, "tc_sql_p")
+    _park_p_on_c(db, p_epoch)
+    c_epoch = _claimed(db, "tc_sql_c")
     db.execute("select flowly.fail_run('c', %s, '{\"type\": \"E\", \"message\": \"m\"}', false)",
                (c_epoch,))
     assert _status(db, "c") == "dead_letter"
     assert scalar(db, "select scheduled_for <= now() from flowly.runs where id = 'p'")
     db.execute("select flowly.retry_dead_letter('c')")
-    p_epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['tc_sql_p'],"
-                         " array['default'], 10, '1 hour')")
-    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
-                  p_epoch) == "waiting"
-    assert scalar(db, "select flowly.park('p', %s, array['run:c'])", p_epoch) is None
-    c_epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['tc_sql_c'],"
-                         " array['default'], 10, '1 hour')")
+    p_epoch = _claimed(db, "tc_sql_p")
+    _park_p_on_c(db, p_epoch)
+    c_epoch = _claimed(db, "tc_sql_c")
     db.execute("select flowly.complete('c', %s, '\"done\"')", (c_epoch,))
-    p_epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['tc_sql_p'],"
-                         " array['default'], 10, '1 hour')")
+    p_epoch = _claimed(db, "tc_sql_p")
     assert p_epoch is not None, "p was not woken by c completing"
     row = db.execute("select outcome, status, output from flowly.wait_for_run('p', %s,"
                      " 'run:c', 'c')", (p_epoch,)).fetchone()

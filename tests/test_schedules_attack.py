@@ -13,23 +13,7 @@ import pytest
 
 import flowly
 from tests.support import ROOT, running_worker, scalar, wait_for
-
-
-def schedule(db: psycopg.Connection[Any], name: str, cron: str = "0 9 * * *",
-             workflow: str = "quick", **options: Any) -> dict[str, Any]:
-    named = "".join(f", {key} => %({key})s" for key in options)
-    cursor = db.cursor(row_factory=psycopg.rows.dict_row)
-    row = cursor.execute(
-        f"select * from flowly.schedule(%(name)s, %(cron)s, %(workflow)s{named})",
-        {"name": name, "cron": cron, "workflow": workflow, **options}).fetchone()
-    assert row is not None
-    return row
-
-
-def tick(db: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
-    return db.execute("select schedule, fire_at, run_id, outcome from flowly.tick_schedules()"
-                      " order by schedule, fire_at").fetchall()
-
+from tests.test_schedules import schedule, tick
 
 # --- Python argument checks -------------------------------------------------------------------
 
