@@ -89,9 +89,6 @@ def _parked(db: psycopg.Connection[Any], run_id: str) -> bool:
 
 # -- tests -----------------------------------------------------------------------------------
 
-@known_defect(
-    "retired_by_retry retires only the failed run-wait with the highest seq; in a "
-    "gather the failure raised may be another one")
 def test_retrying_a_fan_in_parent_after_both_failed_runs_were_retried_completes(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
