@@ -20,6 +20,9 @@ from .workflow import WorkflowFn, int4, lookup
 
 MISSED = ("skip", "run_once")
 OVERLAP = ("allow", "skip")
+TICK_BATCH = 100
+"""Schedules one ``tick_schedules`` call handles; a worker calls again while it gets a full
+batch that started something."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,6 @@ class ScheduleCalls:
         # starts the runs of the due schedules, at most TICK_BATCH of them (any worker may
         # call it at any time; the SQL takes each schedule with skip locked)
         self.tick = q("select * from {s}.tick_schedules({batch})", batch=TICK_BATCH)
-
-
-TICK_BATCH = 100
-"""Schedules one ``tick_schedules`` call handles; a worker calls again while it gets a full
-batch that started something."""
 
 
 @cache
