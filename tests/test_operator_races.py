@@ -78,6 +78,34 @@ def test_writes_made_after_the_run_timeout_are_refused_whether_or_not_a_sweep_ra
         f" completion = {completion}; the run ended {status} ({error_type})")
 
 
+def test_a_run_past_its_timeout_is_refused_alone_in_a_batch_of_good_ones(
+    db: psycopg.Connection[Any],
+) -> None:
+    """The group commit writes many runs in one call: the run past its timeout is refused
+    (lease lost), the others' checkpoints and completions are stored as usual."""
+    db.execute("select flowly.start('op_two_steps', run_id => 'late', timeout => '1 second')")
+    for good in ("g1", "g2"):
+        db.execute("select flowly.start('op_two_steps', run_id => %s)", (good,))
+    epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w',"
+                             " array['op_two_steps'], array['default'], 10, '1 hour')"))
+    wait_for(lambda: scalar(db, "select clock_timestamp() > timeout_at from flowly.runs"
+                                " where id = 'late'"), what="the run's timeout")
+    ids = ["g1", "late", "g2"]
+    epoch_list = [epochs[i] for i in ids]
+    checkpoints = db.execute(
+        "select run_id, lease_lost, busy from flowly.checkpoint_steps(%s, %s::bigint[],"
+        " array['a', 'a', 'a'], array['1', '1', '1']::jsonb[], array[now(), now(), now()],"
+        " array[false, false, false], array[1, 1, 1])", (ids, epoch_list)).fetchall()
+    completions = db.execute(
+        "select run_id, lease_lost, busy from flowly.complete_runs(%s, %s::bigint[],"
+        " array['1', '1', '1']::jsonb[])", (ids, epoch_list)).fetchall()
+    assert checkpoints == completions == [
+        ("g1", False, False), ("late", True, False), ("g2", False, False)]
+    assert dict(db.execute("select id, status from flowly.runs")) == {
+        "g1": "completed", "g2": "completed", "late": "running"}
+    assert scalar(db, "select count(*) from flowly.steps where run_id = 'late'") == 0
+
+
 def test_a_worker_frozen_past_the_run_timeout_cannot_complete_the_run_when_thawed(
     dsn: str, db: psycopg.Connection[Any],
 ) -> None:
