@@ -278,6 +278,12 @@ select not exists (select from schema_migrations where version = 41) as apply_mi
     insert into schema_migrations (version, name) values (41, '0041_fan_in_retries_ask_again');
 \endif
 
+select not exists (select from schema_migrations where version = 42) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0042_retry_backoffs_drop_waits.sql
+    insert into schema_migrations (version, name) values (42, '0042_retry_backoffs_drop_waits');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

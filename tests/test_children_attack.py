@@ -186,9 +186,6 @@ async def tc_wait_beside_backoff(ctx: flowly.Context, inp: Any) -> Any:
                                                      initial_delay=30)))
 
 
-@known_defect(
-    "a wait row left by a park that lost to a step's retry release still wakes the "
-    "run early", timing=True)
 def test_a_child_finishing_does_not_cut_short_the_backoff_of_a_sibling_step(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:

@@ -380,3 +380,27 @@ def test_a_cancelled_run_takes_no_more_children(db: psycopg.Connection[Any]) -> 
                 db.execute(call)
     assert scalar(db, "select count(*) from flowly.runs where parent_run_id = 'p'"
                       " and status in ('pending', 'running')") == 0
+
+
+@pytest.mark.parametrize("failure", ["step", "body"])
+def test_a_run_released_for_a_retry_backoff_is_not_woken_by_what_it_waited_for(
+    db: psycopg.Connection[Any], failure: str
+) -> None:
+    """The body registered a wait for run 'c' in one branch of a gather; a step (or the body)
+    failed in another and the database released the run until its retry time. 'c' finishing
+    must not make it due before then: the backoff is the database's decision (README)."""
+    db.execute("select flowly.start('parent', run_id => 'p')")
+    db.execute("select flowly.start('child', run_id => 'c')")
+    epoch = claim_as(db, "parent")["p"]
+    assert scalar(db, "select outcome from flowly.wait_for_run('p', %s, 'run:c', 'c')",
+                  epoch) == "waiting"
+    if failure == "step":
+        decision = scalar(db, "select decision from flowly.fail_step('p', %s, 'flaky', '{}',"
+                              " now(), 2, 'fixed', 30, 30)", epoch)
+    else:
+        decision = scalar(db, "select decision from flowly.fail_run('p', %s, '{}')", epoch)
+    assert decision == "retry"
+    retry_at = scalar(db, "select scheduled_for from flowly.runs where id = 'p'")
+    db.execute("select flowly.cancel('c')")
+    assert scalar(db, "select scheduled_for from flowly.runs where id = 'p'") == retry_at
+    assert not _due(db, "p")
