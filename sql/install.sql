@@ -284,6 +284,12 @@ select not exists (select from schema_migrations where version = 42) as apply_mi
     insert into schema_migrations (version, name) values (42, '0042_retry_backoffs_drop_waits');
 \endif
 
+select not exists (select from schema_migrations where version = 43) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0043_hand_started_children_wait_bounded.sql
+    insert into schema_migrations (version, name) values (43, '0043_hand_started_children_wait_bounded');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

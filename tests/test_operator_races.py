@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 import flowly
+from flowly.db import translated_errors
 from tests.support import in_thread, running_worker, scalar, wait_for, worker_process
 
 # -- workflows ------------------------------------------------------------------------------------
@@ -430,3 +431,39 @@ def test_a_worker_frozen_past_the_run_timeout_is_fenced_once_another_worker_swep
     run = db.execute("select status, error ->> 'type' from flowly.runs").fetchone()
     assert run == ("dead_letter", "Timeout")
     assert [r[0] for r in db.execute("select name from flowly.steps where run_id = 'r'")] == ["a"]
+
+
+def test_a_child_started_by_hand_under_a_run_an_operator_holds_answers_busy_in_bounded_time(
+    dsn: str, db: psycopg.Connection[Any],
+) -> None:
+    """`select flowly.start('child', parent_run_id => 'p')` from psql while an operator's
+    open transaction holds the parent's row (an uncommitted cancel): the start must give up
+    with WF005 (RunBusy), as cancel and send_event do, not wait as long as the operator's
+    transaction stays open."""
+    db.execute("select flowly.start('op_two_steps', run_id => 'p')")
+    with psycopg.connect(dsn) as operator:
+        operator.execute("select flowly.cancel('p')")
+
+        def start_child() -> Any:
+            with psycopg.connect(dsn, autocommit=True) as app, translated_errors():
+                return app.execute("select flowly.start('op_child', parent_run_id => 'p')"
+                                   ).fetchone()
+
+        thread, outcome = in_thread(start_child)
+        thread.join(12)
+        hung = thread.is_alive()
+        operator.rollback()
+        thread.join(10)
+    assert not hung and isinstance(outcome.get("error"), flowly.RunBusy), (
+        f"start still waiting after 12 s: {hung}; outcome once the operator rolled back:"
+        f" {outcome!r}")
+    assert scalar(db, "select count(*) from flowly.runs where parent_run_id = 'p'") == 0
+
+
+def test_a_child_started_by_hand_under_a_run_that_does_not_exist_is_refused(
+    db: psycopg.Connection[Any],
+) -> None:
+    """A parent_run_id naming no run (a typo, a purged run) must not make a child of nobody."""
+    with pytest.raises(flowly.RunNotFound, match="run nobody not found"), translated_errors():
+        db.execute("select flowly.start('op_child', parent_run_id => 'nobody')")
+    assert scalar(db, "select count(*) from flowly.runs") == 0
