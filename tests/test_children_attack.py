@@ -436,3 +436,30 @@ def test_a_run_that_waits_for_itself_fails_with_a_clear_error_instead_of_parking
         state = db.execute("select status, scheduled_for::text from flowly.runs where id = %s",
                            (run_id,)).fetchone()
     assert state is not None and state[0] == "dead_letter", f"run is {state}"
+
+
+def test_a_worker_lost_between_storing_a_sleep_and_releasing_the_run_leaves_it_resumable(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The state a worker leaves when it dies (or the database restarts) between a sleep's two
+    calls: the timer stored with p_release => false, the sibling step 'work' checkpointed, the
+    run still held under a lease that then lapses. Another worker must take it over without
+    running 'work' again, keep the stored wake time ('restarts never move it') and complete
+    the run only once it has passed."""
+    _WORK_CALLS.clear()
+    run_id = client.start("tc_sleep_beside_step", None, run_id="tc-lost")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('gone', array['tc_sleep_beside_step'],"
+                       " array['default'], 1, '1 second')")
+    released = scalar(db, "select released from flowly.sleep(%s, %s, 'nap', p_seconds => 3,"
+                          " p_position => 1, p_release => false)", run_id, epoch)
+    assert released  # the wake time is ahead: the dead worker would have released the run
+    db.execute("select * from flowly.checkpoint_steps(array[%s], array[%s::bigint],"
+               " array['work'], array['\"worked\"'::jsonb], array[now()], array[false],"
+               " array[2])", (run_id, epoch))
+    wake_at = scalar(db, "select wake_at from flowly.timers where run_id = %s", run_id)
+    with running_worker(dsn, workflows=[tc_sleep_beside_step]):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed" and run.output == "worked", run.error
+    assert _WORK_CALLS == [], "'work' ran again although its checkpoint was stored"
+    assert scalar(db, "select wake_at from flowly.timers where run_id = %s", run_id) == wake_at
+    assert run.finished_at is not None and run.finished_at >= wake_at
