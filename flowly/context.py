@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
+from .branches import branch_label, current_path, engine_await
 from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text, utf8_size
 from .errors import (
     ChildFailed,
@@ -110,6 +111,11 @@ class RunStore(Protocol):
     ) -> tuple[str, str | None, Any, Any]: ...
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def records_predate_branch_names(self) -> bool:
+        """Whether the run's history was recorded before default names were counted per
+        branch (flowly.branches): its replay must then count them as it did."""
+        ...
 
     def check_lease(self) -> None:
         """Raise LeaseLostInterrupt if the lease may have lapsed (nothing renewed it for a
@@ -255,7 +261,19 @@ class _Call:
 
     def __await__(self) -> Generator[Any, None, Any]:
         self.awaited = True
-        return self.coroutine.__await__()
+        return engine_await(self.coroutine.__await__())
+
+
+class _DefaultName:
+    """A name made by counting (a child's id, a repeated wait's record): as counted in the
+    branch the call was made in, and as counted across the body before branches counted
+    apart, which runs recorded before then still replay with."""
+
+    __slots__ = ("body_wide", "per_branch")
+
+    def __init__(self, per_branch: str, body_wide: str) -> None:
+        self.per_branch = per_branch
+        self.body_wide = body_wide
 
 
 def _record_name(kind: str, key: str) -> str:
@@ -301,7 +319,11 @@ class Context:
         self._deciding = 0
         self.compensations: dict[str, Callable[..., Any]] = {}
         self._names_used: set[str] = set()
-        self._child_counts: dict[str, int] = {}
+        # calls counted for default names: per (branch path, key), and across the body as
+        # runs recorded before flowly.branches count them (None: not asked yet)
+        self._branch_counts: dict[tuple[tuple[int, ...], str], int] = {}
+        self._body_counts: dict[str, int] = {}
+        self._body_wide_names: bool | None = None if history.may_have_records else False
         # steps executing their function or checkpoint, and steps anywhere past their replay
         # check (failing included): a failure waits for the first to reach 0 before it decides
         # the run's fate, and the worker waits for the second before it compensates
@@ -313,7 +335,6 @@ class Context:
         self.waiting: list[str] = []
         # the sleep this execution reached whose wake time is ahead: (name, wake time, position)
         self.sleeping: tuple[str, datetime, int] | None = None
-        self._wait_counts: dict[str, int] = {}
 
     @property
     def compensating(self) -> bool:
@@ -566,17 +587,35 @@ class Context:
         """Start another run and return its id; the same id on every replay.
 
         Without ``run_id`` the child's id is derived from this run's id, the workflow name and
-        how many runs of that workflow this body started before. The id that ``start``
+        how many runs of that workflow this branch of the body started before (see
+        :mod:`flowly.branches`): ``<run id>:<workflow>:<n>`` in the body's own task,
+        ``<run id>:<workflow>:<branch>/<n>`` in a task it created. The id that ``start``
         returned (the child's, or the live run holding its concurrency key) is recorded in
         this run's steps in the same transaction, and replays return the record. ``workflow``
         is a name or a decorated function; ``options`` are those of
         :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
         defaults when it is registered in this process.
         """
-        return self._track(f"start of {workflow!r}", self._start(workflow, input, run_id, options))
+        return self._track(f"start of {workflow!r}", self._start(
+            workflow, input, run_id, options, self._child_id(workflow)))
+
+    def _child_id(self, workflow: str | WorkflowFn) -> _DefaultName | None:
+        """The default id of a child of ``workflow`` started here (counted as the call is
+        made, in the branch making it); None for a workflow ``_start`` refuses."""
+        try:
+            name, _ = lookup(workflow)
+        except TypeError:
+            return None
+
+        def child_id(path: tuple[int, ...], count: int) -> str:
+            at = f"{branch_label(path)}/{count}" if path else str(count)
+            return f"{self.run_id}:{name}:{at}"
+
+        return self._counted(name, child_id)
 
     async def _start(
-        self, workflow: str | WorkflowFn, input: Any, run_id: str | None, options: dict[str, Any]
+        self, workflow: str | WorkflowFn, input: Any, run_id: str | None, options: dict[str, Any],
+        default_id: _DefaultName | None,
     ) -> str:
         unknown = set(options) - START_OPTIONS
         if unknown:
@@ -585,9 +624,8 @@ class Context:
             name, defaults = lookup(workflow)
         except TypeError as exc:  # a function that is not a registered workflow
             raise WorkflowCodeError(str(exc)) from None
-        count = self._child_counts.get(name, 0) + 1
-        self._child_counts[name] = count
-        child_id = run_id or f"{self.run_id}:{name}:{count}"
+        assert default_id is not None  # made for every workflow lookup knows
+        child_id = run_id or await self._named(default_id)
         record = _record_name("start", child_id)
         position = self._claim_name(record)
         stored = await self._write(lambda: self.history.get(record))
@@ -610,11 +648,13 @@ class Context:
         :class:`flowly.EventTimeout`. The outcome is recorded, so a replay sees the same.
         """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        return self._track(f"wait for event {name!r}", self._wait_for_event(name, seconds))
+        return self._track(f"wait for event {name!r}", self._wait_for_event(
+            name, seconds, self._wait_record("event", name)))
 
-    async def _wait_for_event(self, name: str, timeout: float | None) -> Any:
+    async def _wait_for_event(self, name: str, timeout: float | None, record: _DefaultName
+                              ) -> Any:
         outcome = await self._wait_outcome(
-            "event", name,
+            "event", record,
             lambda record, position: self._store.wait_for_event(record, name, timeout, position),
             lambda answer: {"payload": answer[1]} if answer[0] == "received" else {"timeout": True})
         if "payload" not in outcome:
@@ -625,14 +665,15 @@ class Context:
         """The output of run ``run_id`` once it completed; raises :class:`flowly.ChildFailed`
         if it ended ``dead_letter`` or ``cancelled``. The run holds no worker while it waits
         and wakes when the other run finishes. The outcome is recorded once."""
-        return self._track(f"wait for run {run_id!r}", self._wait_for_run(run_id))
+        return self._track(f"wait for run {run_id!r}", self._wait_for_run(
+            run_id, self._wait_record("run", run_id)))
 
-    async def _wait_for_run(self, run_id: str) -> Any:
+    async def _wait_for_run(self, run_id: str, record: _DefaultName) -> Any:
         if run_id == self.run_id:
             # it would park until the year 9999 (a ctx.run(run_id=ctx.run_id) comes here too)
             raise WorkflowCodeError(f"run {run_id} cannot wait for itself")
         outcome = await self._wait_outcome(
-            "run", run_id,
+            "run", record,
             lambda record, position: self._store.wait_for_run(record, run_id, position),
             lambda answer: {"status": answer[1], "output": answer[2], "error": answer[3]})
         if outcome["status"] != "completed":
@@ -642,20 +683,22 @@ class Context:
     def run(self, workflow: str | WorkflowFn, input: Any = None, run_id: str | None = None,
             **options: Any) -> Awaitable[Any]:
         """Start another run and wait for its output: :meth:`start` then :meth:`wait_for_run`."""
+        default_id = self._child_id(workflow)
+
         async def start_and_wait() -> Any:
-            return await self._wait_for_run(
-                await self._start(workflow, input, run_id, options))
+            child = await self._start(workflow, input, run_id, options, default_id)
+            return await self._wait_for_run(child, self._wait_record("run", child))
 
         return self._track(f"run of {workflow!r}", start_and_wait())
 
     async def _wait_outcome(
-        self, kind: str, key: str,
+        self, kind: str, name: _DefaultName,
         register: Callable[[str, int], Awaitable[tuple[Any, ...]]],
         outcome_of: Callable[[tuple[Any, ...]], dict[str, Any]],
     ) -> dict[str, Any]:
         """The outcome of a wait (for an event or a run): as recorded, or as the database
         answers ``register``; a wait that must go on parks the run (WaitInterrupt)."""
-        record = self._wait_record(kind, key)
+        record = await self._named(name)
         position = self._claim_name(record)
         stored = await self._write(lambda: self.history.get(record))
         if isinstance(stored, StoredStep):
@@ -671,13 +714,37 @@ class Context:
                                                kind=kind))
         return outcome
 
-    def _wait_record(self, kind: str, key: str) -> str:
-        count = self._wait_counts.get(f"{kind}:{key}", 0) + 1
-        self._wait_counts[f"{kind}:{key}"] = count
-        # a '#' of the key doubled, so that the n-th wait's '#n' is never part of a key: the
+    def _wait_record(self, kind: str, key: str) -> _DefaultName:
+        """The record of a wait for ``key`` made here: the first in the body's own task is
+        ``<kind>:<key>``, the n-th ``<kind>:<key>#n``; in a task the body created,
+        ``<kind>:<key>#<branch>/<n>``."""
+        # a '#' of the key doubled, so that a '#' the count adds is never part of a key: the
         # first wait for event "go#2" and the second for "go" are recorded apart
         escaped = key.replace("#", "##")
-        return _record_name(kind, escaped if count == 1 else f"{escaped}#{count}")
+
+        def record(path: tuple[int, ...], count: int) -> str:
+            if path:
+                return _record_name(kind, f"{escaped}#{branch_label(path)}/{count}")
+            return _record_name(kind, escaped if count == 1 else f"{escaped}#{count}")
+
+        return self._counted(f"{kind}:{key}", record)
+
+    def _counted(self, key: str, name: Callable[[tuple[int, ...], int], str]) -> _DefaultName:
+        """Count one more call for ``key`` in the running branch, and across the body."""
+        path = current_path()
+        in_branch = self._branch_counts.get((path, key), 0) + 1
+        self._branch_counts[(path, key)] = in_branch
+        in_body = self._body_counts.get(key, 0) + 1
+        self._body_counts[key] = in_body
+        return _DefaultName(name(path, in_branch), name((), in_body))
+
+    async def _named(self, name: _DefaultName) -> str:
+        """The name to use: counted per branch, unless the run was recorded before that."""
+        if name.per_branch == name.body_wide:
+            return name.per_branch
+        if self._body_wide_names is None:
+            self._body_wide_names = await self._write(self._store.records_predate_branch_names)
+        return name.body_wide if self._body_wide_names else name.per_branch
 
     async def _waited(self, call: Callable[[], Awaitable[T]]) -> T:
         """A wait's engine call, counted as in flight so the run is parked only once every

@@ -216,6 +216,7 @@ class Calls:
         self.claimed_input = q("select r.input from {s}.runs r"
                                " where r.id = %s and r.lease_epoch = %s")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")
+        self.records_predate_branch_names = q("select {s}.records_predate_branch_names(%s)")
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
         self.fold_run_counts = q("select {s}.fold_run_counts()")
         self.release = q("select {s}.release(%s, %s)")

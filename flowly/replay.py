@@ -48,6 +48,9 @@ class ReplayLog:
 
     def __init__(self, read_page: PageReader | None) -> None:
         self._read_page = read_page
+        # whether anything was recorded before this execution (a run claimed for the first
+        # time has nothing to read)
+        self.may_have_records = read_page is not None
         self._entries: dict[str, Entry] = {}
         self._last_seq = 0
         self._exhausted = read_page is None

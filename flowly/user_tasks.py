@@ -17,6 +17,8 @@ from collections.abc import Coroutine, Generator
 from contextlib import contextmanager
 from typing import Any
 
+from .branches import new_task_context
+
 _IN_USER_CODE = contextvars.ContextVar("flowly_in_user_code", default=False)
 
 
@@ -49,12 +51,14 @@ async def _contained(coro: Coroutine[Any, Any, Any]) -> Any:
 @contextmanager
 def containing_user_tasks(loop: asyncio.AbstractEventLoop) -> Generator[None, None, None]:
     """Install, for the duration, a task factory on ``loop`` that contains the tasks user
-    code creates (any factory already there still makes the tasks)."""
+    code creates, and numbers those a workflow body creates as its branches
+    (:mod:`flowly.branches`); any factory already there still makes the tasks."""
     previous = loop.get_task_factory()
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
         if _IN_USER_CODE.get() and asyncio.iscoroutine(coro):
             coro = _contained(coro)
+        new_task_context(kwargs)
         if previous is not None:
             return previous(loop, coro, **kwargs)
         return asyncio.Task(coro, loop=loop, **kwargs)

@@ -15,13 +15,6 @@ import flowly
 from tests.support import running_worker, scalar, wait_for
 
 
-def known_defect(reason: str, *, timing: bool = False) -> pytest.MarkDecorator:
-    """A defect found and not fixed yet: the test fails until it is, and then, as a strict
-    xfail, fails until the mark goes. One whose failure depends on timing (which branch of a
-    gather gets there first) may pass by luck, so it is not strict: ``pytest --runxfail``
-    shows it failing."""
-    return pytest.mark.xfail(strict=not timing, reason=f"known defect: {reason}")
-
 # -- workflows -------------------------------------------------------------------------------
 
 @flowly.workflow("tc_flaky", max_attempts=1)
@@ -116,9 +109,6 @@ def test_retrying_a_fan_in_parent_after_both_failed_runs_were_retried_completes(
     assert run.output == ["a ok", "b ok"]
 
 
-@known_defect(
-    "default child ids count starts in the order branches reach them, which differs "
-    "between a first execution and a replay", timing=True)
 def test_parallel_branches_get_their_own_child_back_on_replay(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -137,9 +127,6 @@ def test_parallel_branches_get_their_own_child_back_on_replay(
         f"children by input: {children}; output {run.output}")
 
 
-@known_defect(
-    "repeated waits for one event are numbered in the order branches reach them, "
-    "which differs between a first execution and a replay", timing=True)
 def test_parallel_waits_for_one_event_replay_the_payload_each_branch_used(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -463,3 +450,51 @@ def test_a_worker_lost_between_storing_a_sleep_and_releasing_the_run_leaves_it_r
     assert _WORK_CALLS == [], "'work' ran again although its checkpoint was stored"
     assert scalar(db, "select wake_at from flowly.timers where run_id = %s", run_id) == wake_at
     assert run.finished_at is not None and run.finished_at >= wake_at
+
+
+def test_a_run_recorded_before_branches_counted_apart_replays_the_names_it_recorded(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A run of tc_branch_children whose branches started their children before the upgrade
+    to per-branch names (0044): they were named by counting across the body, tc-old:tc_echo:1
+    and :2. Its replay after the upgrade must find those records, not start two more
+    children under the new names."""
+    parent = client.start("tc_branch_children", None, run_id="tc-old")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('old', array['tc_branch_children'],"
+                       " array['default'], 1, '1 hour')")
+    db.execute("select * from flowly.checkpoint_steps(array[%s, %s], array[%s, %s]::bigint[],"
+               " array['prep-slow', 'prep-fast'], array['\"slow\"', '\"fast\"']::jsonb[],"
+               " array[now(), now()], array[false, false], array[1, 2])",
+               (parent, parent, epoch, epoch))
+    for count, label in ((1, "fast"), (2, "slow")):  # 'fast' reached its child first
+        child = f"{parent}:tc_echo:{count}"
+        db.execute("select flowly.start('tc_echo', %s, run_id => %s, parent_run_id => %s,"
+                   " parent_lease_epoch => %s, parent_step => %s, parent_position => %s)",
+                   (f'"{label}"', child, parent, epoch, f"start:{child}", count + 2))
+    db.execute("select flowly.release(array[%s], array[%s::bigint])", (parent, epoch))
+    # the upgrade came after those records
+    db.execute("update flowly.schema_migrations set applied_at = clock_timestamp()"
+               " where version = 44")
+    with running_worker(dsn, workflows=[tc_branch_children, tc_echo]):
+        run = client.wait(parent, timeout=30)
+    assert run.status == "completed", run.error
+    children = sorted(r[0] for r in db.execute(
+        "select id from flowly.runs where parent_run_id = %s", (parent,)))
+    assert children == ["tc-old:tc_echo:1", "tc-old:tc_echo:2"], children
+
+
+def test_branches_name_their_children_and_waits_by_branch(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """The names the README gives: a child started without run_id in the body's own task is
+    <run>:<workflow>:<n>; in the k-th task the body created, <run>:<workflow>:<k>/<n>; the
+    wait for it is recorded as run:<child id> (and #<k>/<n> after the key in a branch)."""
+    parent = client.start("tc_branch_children", None, run_id="tc-names")
+    with running_worker(dsn, workflows=[tc_branch_children, tc_echo]):
+        run = client.wait(parent, timeout=30)
+    assert run.status == "completed", run.error
+    names = sorted(r[0] for r in db.execute(
+        "select name from flowly.steps where run_id = %s and kind in ('start', 'run')",
+        (parent,)))
+    assert names == ["run:tc-names:tc_echo:1/1#1/1", "run:tc-names:tc_echo:2/1#2/1",
+                     "start:tc-names:tc_echo:1/1", "start:tc-names:tc_echo:2/1"], names

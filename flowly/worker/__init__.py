@@ -31,6 +31,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ..bounded_calls import end_tasks, on_daemon_thread, within
+from ..branches import enter_body
 from ..context import (
     NOT_RETRYABLE,
     CompensateInterrupt,
@@ -207,6 +208,10 @@ class _RunStore:
 
     async def call_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._worker._step_threads.run(fn, *args)
+
+    async def records_predate_branch_names(self) -> bool:
+        return bool((await self._worker._call_one(
+            self._worker._calls.records_predate_branch_names, (self._held.run_id,)))[0])
 
 
 class Worker:
@@ -1030,5 +1035,6 @@ async def _call_body(workflow: Workflow, ctx: Context, input: Any) -> Any:
     if workflow.signature_error is not None:
         raise WorkflowCodeError(
             f"workflow {workflow.name!r} must take (ctx, input): {workflow.signature_error}")
+    enter_body()
     with user_code():
         return await workflow.fn(ctx, input)
