@@ -9,11 +9,9 @@ import time
 from typing import Any
 
 import psycopg
-import pytest
 
 import flowly
 from tests.support import running_worker, scalar, wait_for
-
 
 # -- workflows -------------------------------------------------------------------------------
 
