@@ -12,14 +12,17 @@
 -- their outcome). Nothing registers a wait after the release: wait_for_run and
 -- wait_for_event are fenced by the lease the release revoked.
 
--- Releases a held run until p_due for a retry, after deleting the waits its body registered.
+-- Releases a held run until p_due for a retry, after deleting the waits its body registered
+-- that have no deadline.
 -- Lock order: the run's row (held by the caller), then its waits.
 create function release_for_retry(p_run_id text, p_due timestamptz) returns void
 language plpgsql
 set search_path from current
 as $$
 begin
-    delete from waits w where w.run_id = p_run_id;
+    -- a wait with a deadline keeps its row: the deadline is written when the wait is first
+    -- reached and never moves (such a wait can still wake the run before the backoff ends)
+    delete from waits w where w.run_id = p_run_id and w.timeout_at is null;
     perform release_held_run(p_run_id, p_due);
 end
 $$;
