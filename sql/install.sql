@@ -296,6 +296,12 @@ select not exists (select from schema_migrations where version = 44) as apply_mi
     insert into schema_migrations (version, name) values (44, '0044_default_names_count_per_branch');
 \endif
 
+select not exists (select from schema_migrations where version = 45) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0045_cron_steps_over_one_value_ranges.sql
+    insert into schema_migrations (version, name) values (45, '0045_cron_steps_over_one_value_ranges');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

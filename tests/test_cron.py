@@ -264,6 +264,11 @@ def fire(db: psycopg.Connection[Any], cron: str, after: str, zone: str = "UTC") 
     ("@yearly", "2026-03-04 10:00:00+00", "2027-01-01 00:00"),
     ("@ANNUALLY", "2026-03-04 10:00:00+00", "2027-01-01 00:00"),
     ("  0   12\t* * *  ", "2026-03-04 10:00:00+00", "2026-03-04 12:00"),
+    # a step over a range of one value keeps that value alone; over a single value it runs to
+    # the field's end
+    ("7 1 16-16/6 * *", "2026-03-17 00:00:00+00", "2026-04-16 01:07"),
+    ("7 1 16/6 * *", "2026-03-17 00:00:00+00", "2026-03-22 01:07"),
+    ("5-5/10 * * * *", "2026-03-04 10:06:00+00", "2026-03-04 11:05"),
 ])
 def test_syntax_examples(db: psycopg.Connection[Any], cron: str, after: str,
                          expected: str) -> None:
