@@ -99,16 +99,17 @@ def test_a_worker_s_background_purge_keeps_up_with_what_a_worker_finishes(
     10,000 runs a minute (167 a second), while one worker finishes about 2,000 runs a second
     (bench/RESULTS.md). A busy engine's history then grows without bound however short the
     retention. 30,000 runs past the retention (15 seconds of a worker's throughput, about a
-    second of deletes) must be gone well within the minute, not 10,000 a minute."""
+    second of deletes) must be gone within the minute, not 10,000 a minute: within 45 s,
+    which leaves room for a loaded machine (a quiet one takes a few seconds)."""
     _finished_runs(db, "old-", 30_000, finished_ago="2 days", steps=1)
     _analyze(db)
     with running_worker(dsn, purge_after=timedelta(days=1)):
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 45
         left = scalar(db, "select count(*) from flowly.runs")
         while left and time.monotonic() < deadline:
             time.sleep(0.5)
             left = scalar(db, "select count(*) from flowly.runs")
-    assert left == 0, f"{30_000 - left} of 30,000 runs past the retention purged in 15 s"
+    assert left == 0, f"{30_000 - left} of 30,000 runs past the retention purged in 45 s"
 
 
 # --- dashboards ------------------------------------------------------------------------------
