@@ -202,7 +202,9 @@ def case(draw: st.DrawFn) -> tuple[str, datetime, str]:
 
 # derandomized: a fixed set of cases on every run. Random ones hit, about once in 12,000 cases,
 # an expression near Chatham's DST end on which cronsim cycles for ever (cron_next did too,
-# until it was made to search forward only: see the test after the examples).
+# until it was made to search forward only: see the test after the examples). A failure is
+# shrunk, which takes minutes: the timeout leaves room for it, so the failure itself is shown.
+@pytest.mark.timeout(900)
 @settings(max_examples=30, deadline=None, database=None, derandomize=True,
           phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
