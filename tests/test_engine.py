@@ -322,6 +322,33 @@ def test_worker_functions_refuse_arguments_that_would_unprotect_a_run(
     assert scalar(db, "select status from flowly.runs") == "pending"
 
 
+@pytest.mark.parametrize("call", [
+    "flowly.checkpoint('r1', null, 's', '1')",
+    "flowly.complete('r1', null, '1')",
+    "flowly.sleep('r1', null, 'nap', p_seconds => 60)",
+    "flowly.fail_run('r1', null, '{}', false)",
+    "flowly.fail_step('r1', null, 's', '{}', now(), 1, 'fixed', 1, 1)",
+    "flowly.park('r1', null, array['s'])",
+    "flowly.wait_for_event('r1', null, 'w', 'go')",
+    "flowly.begin_transaction_step('r1', null)",
+])
+def test_a_write_without_a_fencing_token_is_refused_as_a_stale_lease(
+    db: psycopg.Connection[Any], call: str,
+) -> None:
+    """A fenced call typed by hand with a NULL epoch (a forgotten argument) compared the run's
+    epoch with NULL, which is not true: sleep, fail_run, fail_step, park, wait_for_event and
+    begin_transaction_step released or ended the run its worker held."""
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w1', array['quick'],"
+                       " array['default'], 1, '30 seconds')")
+    with pytest.raises(psycopg.Error) as info:
+        db.execute(f"select * from {call}")
+    assert info.value.sqlstate == "WF001", info.value
+    assert db.execute("select status, locked_by, lease_epoch from flowly.runs").fetchone() == (
+        "running", "w1", epoch)
+    assert scalar(db, "select count(*) from flowly.steps") == 0
+
+
 def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     db: psycopg.Connection[Any],
 ) -> None:
