@@ -48,6 +48,16 @@ def _effects(db: psycopg.Connection[Any], run_id: str) -> list[str]:
         "select step from public.test_effects where run_id = %s order by at", (run_id,))]
 
 
+def _start_timed_run_once_served(db: psycopg.Connection[Any]) -> None:
+    """Run r of op_two_steps with a 2 s timeout, started once the worker process is up: its
+    timeout counts from the start, and a loaded machine can take longer than that to start a
+    Python process."""
+    wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), timeout=60,
+             what="the worker to register")
+    db.execute("select flowly.start('op_two_steps', '{\"seconds\": 1}', run_id => 'r',"
+               " timeout => '2 seconds')")
+
+
 # -- run timeout: a stale worker's writes must be fenced -----------------------------------------
 
 
@@ -114,10 +124,9 @@ def test_a_worker_frozen_past_the_run_timeout_cannot_complete_the_run_when_thawe
     no claim and no heartbeat sweeps meanwhile) is SIGSTOPped in step b of a run with a 2 s
     timeout, and SIGCONTed 3 s past it. The thawed worker must be fenced: the run ends
     dead_letter / Timeout, not completed late."""
-    db.execute("select flowly.start('op_two_steps', '{\"seconds\": 1}', run_id => 'r',"
-               " timeout => '2 seconds')")
     with worker_process(dsn, "--concurrency", "1", "--lease", "30",
                         app="tests.test_operator_races") as worker:
+        _start_timed_run_once_served(db)
         wait_for(lambda: "b" in _effects(db, "r"), timeout=20, what="step b under way")
         worker.signal(signal.SIGSTOP)
         try:
@@ -414,10 +423,9 @@ def test_a_worker_frozen_past_the_run_timeout_is_fenced_once_another_worker_swep
 ) -> None:
     """As above, but another worker is alive: its claims sweep the run to dead_letter /
     Timeout while the first is frozen, and the thawed worker writes nothing for it."""
-    db.execute("select flowly.start('op_two_steps', '{\"seconds\": 1}', run_id => 'r',"
-               " timeout => '2 seconds')")
     with worker_process(dsn, "--concurrency", "1", "--lease", "30",
                         app="tests.test_operator_races") as frozen:
+        _start_timed_run_once_served(db)
         wait_for(lambda: "b" in _effects(db, "r"), timeout=20, what="step b under way")
         frozen.signal(signal.SIGSTOP)
         try:
