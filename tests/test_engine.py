@@ -183,8 +183,8 @@ def test_cancel_a_sleeping_run(dsn: str, client: flowly.Client,
 
 
 def test_run_timeout_dead_letters_and_stops_the_run(dsn: str, client: flowly.Client) -> None:
-    run_id = client.start("slow", {"seconds": 30}, timeout=1)
-    with running_worker(dsn, lease=1.5):
+    with running_worker(dsn, lease=1.5):  # started first: the timeout counts from the start
+        run_id = client.start("slow", {"seconds": 30}, timeout=1)
         run = client.wait(run_id, timeout=10)
         wait_for(lambda: run_id in workflows.CANCELLED, timeout=5, what="timed-out step cancelled")
     assert run.status == "dead_letter"

@@ -582,8 +582,8 @@ def test_a_step_never_undone_keeps_its_idempotency_key_in_the_next_generation(
     """The charge is in flight when the run times out (dead_letter, no compensation: nothing
     was checkpointed); retry_dead_letter runs it again in generation 2. It was never undone,
     so it must charge under the same key, which the provider de-duplicates."""
-    run_id = client.start("charge_in_flight_at_timeout", None, timeout=1)
-    with running_worker(dsn, lease=0.6):
+    with running_worker(dsn, lease=0.6):  # started first: the timeout counts from the start
+        run_id = client.start("charge_in_flight_at_timeout", None, timeout=1)
         run = client.wait(run_id, timeout=20)
         assert run.status == "dead_letter" and run.error["type"] == "Timeout"
         client.retry_dead_letter(run_id)
