@@ -308,6 +308,12 @@ select not exists (select from schema_migrations where version = 46) as apply_mi
     insert into schema_migrations (version, name) values (46, '0046_fences_refuse_null_epochs');
 \endif
 
+select not exists (select from schema_migrations where version = 47) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0047_leases_bounded.sql
+    insert into schema_migrations (version, name) values (47, '0047_leases_bounded');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

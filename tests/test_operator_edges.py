@@ -104,7 +104,8 @@ def test_a_schema_name_with_a_control_character_is_refused(
 
 
 @pytest.mark.parametrize("option, value", [
-    ("lease", 0), ("lease", -1), ("lease", math.nan), ("poll_interval", -1),
+    ("lease", 0), ("lease", -1), ("lease", math.nan), ("lease", 86_401), ("lease", 1e13),
+    ("poll_interval", -1),
     ("poll_interval", math.nan), ("drain_timeout", -1),
 ])
 def test_worker_refuses_unusable_durations(dsn: str, option: str, value: float) -> None:
@@ -112,6 +113,37 @@ def test_worker_refuses_unusable_durations(dsn: str, option: str, value: float) 
     but takes a lease of 0, negative or NaN and starts, to fail every heartbeat forever."""
     with pytest.raises(ValueError, match=option.split("_")[0]):
         flowly.Worker(dsn, ["quick"], **{option: value})
+
+
+@pytest.mark.parametrize("worker_id", ["", "  ", "a\x00b"])
+def test_worker_refuses_a_worker_id_that_names_nothing(dsn: str, worker_id: str) -> None:
+    with pytest.raises(ValueError, match="worker_id"):
+        flowly.Worker(dsn, ["quick"], worker_id=worker_id)
+
+
+@pytest.mark.parametrize("call", [
+    "flowly.register_worker('huge', array['quick'], array['default'], '115740740 days')",
+    "flowly.register_worker('', array['quick'], array['default'], '30 seconds')",
+    "flowly.register_worker(null, array['quick'], array['default'], '30 seconds')",
+    "flowly.claim('huge', array['quick'], array['default'], 1, '115740740 days')",
+    "flowly.heartbeat('huge', array['r'], array[1]::bigint[], '115740740 days')",
+])
+def test_a_lease_beyond_a_day_or_a_nameless_worker_is_refused(
+    db: psycopg.Connection[Any], call: str
+) -> None:
+    """A worker registered with a lease of 10^13 s (a unit mistake) made `last_seen_at +
+    lease` overflow: every other worker's claims (their sweep asks which workers are alive)
+    and the live_workers view failed. Refused with WF003; a healthy worker still claims."""
+    db.execute("select flowly.start('quick', run_id => 'r')")
+    with pytest.raises(psycopg.Error) as refused:
+        db.execute(f"select * from {call}")
+    assert refused.value.sqlstate == "WF003", refused.value
+    assert "lease" in str(refused.value) or "worker" in str(refused.value)
+    db.execute("select flowly.register_worker('ok', array['quick'], array['default'],"
+               " '30 seconds')")
+    assert db.execute("select run_id from flowly.claim('ok', array['quick'], array['default'],"
+                      " 1, '30 seconds')").fetchall() == [("r",)]
+    assert db.execute("select worker from flowly.live_workers").fetchall() == [("ok",)]
 
 
 def test_worker_command_with_a_zero_lease_exits_2(dsn: str) -> None:

@@ -72,6 +72,9 @@ _CANCEL_GRACE = 2.0
 # the largest step or workflow output (JSON bytes) a worker sends: far below what jsonb and the
 # driver's pipeline handle, and a size no checkpoint should have (store a reference instead)
 DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+# the longest lease (seconds), as the engine's check_lease allows: a run held by a worker that
+# died is taken over at most this long after its last heartbeat
+MAX_LEASE = 86_400.0
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
@@ -264,6 +267,9 @@ class Worker:
         for name, value in (("lease", self.lease), ("poll_interval", self.poll_interval)):
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.lease > MAX_LEASE:
+            raise ValueError(f"lease must be at most {MAX_LEASE:g} seconds (a day), got"
+                             f" {self.lease:g}")
         if not 0 <= self.drain_timeout < math.inf:
             raise ValueError(f"drain_timeout must be zero or more seconds, got"
                              f" {self.drain_timeout}")
@@ -274,6 +280,9 @@ class Worker:
             raise ValueError(f"max_output_bytes must be positive, got {max_output_bytes}")
         self.max_output_bytes = max_output_bytes
         self.purge_after = None if purge_after is None else _seconds(purge_after)
+        if worker_id is not None and not (isinstance(worker_id, str) and worker_id.strip()
+                                          and "\x00" not in worker_id):
+            raise ValueError(f"worker_id must be a non-empty text, got {worker_id!r}")
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}
