@@ -13,6 +13,9 @@ from typing import Literal
 
 Backoff = Literal["fixed", "linear", "exponential"]
 
+# the longest delay between two attempts, as the engine's backoff_delay allows
+MAX_RETRY_DELAY = 365 * 86_400.0
+
 
 def _seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
@@ -39,8 +42,11 @@ class Retry:
             raise ValueError(
                 f"Retry.backoff must be 'fixed', 'linear' or 'exponential', got {self.backoff!r}"
             )
-        if self.initial_delay_seconds < 0 or self.max_delay_seconds < 0:
-            raise ValueError("Retry delays must not be negative")
+        for name, seconds in (("initial_delay", self.initial_delay_seconds),
+                              ("max_delay", self.max_delay_seconds)):
+            if not 0 <= seconds <= MAX_RETRY_DELAY:
+                raise ValueError(f"Retry.{name} must be from 0 to {MAX_RETRY_DELAY:g} seconds"
+                                 f" (a year), got {seconds}")
 
     @property
     def initial_delay_seconds(self) -> float:

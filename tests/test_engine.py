@@ -592,7 +592,7 @@ def test_a_database_error_about_the_run_fails_it_rather_than_abandoning_it(
     run_id = client.start("bad_sleep", None, max_attempts=1)
     with running_worker(dsn):
         run = client.wait(run_id, timeout=20)
-    assert run.status == "dead_letter" and "out of range" in run.error["message"]
+    assert run.status == "dead_letter" and "forever" in run.error["message"], run.error
     assert scalar(db, "select takeovers from flowly.runs") == 0
 
 

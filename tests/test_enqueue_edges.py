@@ -4,6 +4,7 @@ worker, a concurrency key handed over, a schedule re-declared while a tick holds
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from datetime import timedelta
@@ -108,6 +109,42 @@ def test_a_python_delay_or_timeout_past_the_end_of_time_is_invalid_argument(dsn:
         for option in ("delay", "timeout"):
             with pytest.raises(flowly.InvalidArgument):
                 client.start("quick", {}, **{option: timedelta(days=999_999_999)})
+
+
+@pytest.mark.parametrize("call", [
+    "flowly.start('quick', run_id => 'bc', scheduled_for => '0001-01-01 00:00+00'::timestamptz"
+    " - interval '1 day')",
+    "flowly.start('quick', run_id => 'bc', scheduled_for => '-infinity')",
+    "flowly.sleep('r', EPOCH, 'nap', p_seconds => 1e15)",
+    "flowly.sleep('r', EPOCH, 'nap', p_seconds => 'NaN')",
+    "flowly.sleep('r', EPOCH, 'nap', p_seconds => 'Infinity')",
+    "flowly.sleep('r', EPOCH, 'nap', p_wake_at => '0001-01-01 00:00+00'::timestamptz"
+    " - interval '1 day')",
+    "flowly.fail_step('r', EPOCH, 's', '{}', now(), 3, 'fixed', null, 1)",
+    "flowly.fail_step('r', EPOCH, 's', '{}', now(), 3, 'fixed', 'NaN', 1)",
+    "flowly.fail_step('r', EPOCH, 's', '{}', now(), 3, 'fixed', 1e15, 1e15)",
+])
+def test_times_before_the_year_1_or_out_of_range_delays_are_wf003(
+    db: psycopg.Connection[Any], client: flowly.Client, call: str
+) -> None:
+    """A run scheduled (or a sleep set) before the year 1 was stored, and then every listing
+    of runs failed in the client (Python's datetime starts at the year 1); a sleep of 10^15 s,
+    NaN or infinity and a retry delay past the year 10000 failed with PostgreSQL's 22008, a
+    NULL retry delay as an "unknown backoff kind". Each is WF003 and the run is untouched."""
+    client.start("quick", run_id="r")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '30 seconds')")
+    assert sqlstate_of(db, "select * from " + call.replace("EPOCH", str(epoch))) == "WF003"
+    assert db.execute("select id, status, lease_epoch from flowly.runs").fetchall() == [
+        ("r", "running", epoch)]
+    assert [run.id for run in client.list_runs()] == ["r"]
+
+
+def test_a_retry_policy_with_delays_beyond_a_year_is_refused_where_it_is_written() -> None:
+    for delays in ({"max_delay": 1e15}, {"initial_delay": math.inf}, {"max_delay": math.nan},
+                   {"initial_delay": timedelta(days=366)}):
+        with pytest.raises(ValueError, match="Retry"):
+            flowly.Retry(**delays)  # type: ignore[arg-type]
 
 
 # --- Client API on odd run ids ---------------------------------------------------------------
