@@ -83,6 +83,37 @@ def test_an_event_within_the_timeout_takes_the_other_branch(
         assert client.wait(run_id, timeout=10).output == "approved"
 
 
+@flowly.workflow("tw_late_approval", max_attempts=1)
+async def tw_late_approval(ctx: flowly.Context, timeout: float) -> Any:
+    """A first wait whose timeout the body catches, then one it does not."""
+    try:
+        early = await ctx.wait_for_event("early", timeout=timeout)
+    except flowly.EventTimeout:
+        early = "no early event"
+    return [early, await ctx.wait_for_event("approval", timeout=timeout)]
+
+
+def test_retrying_a_run_that_failed_on_an_event_timeout_waits_for_the_event_again(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """An approval that did not come in time dead-letters the run (EventTimeout); the
+    operator retries the run and sends the approval. The retry replayed the recorded timeout and
+    failed again at once, whatever was sent. The wait that ended the run is asked again (with
+    a new timeout); the one the body caught keeps its outcome, so the body takes the same
+    branch."""
+    run_id = client.start("tw_late_approval", 2)
+    with running_worker(dsn, workflows=[tw_late_approval]):
+        run = client.wait(run_id, timeout=20)
+        assert (run.status, run.error and run.error["type"]) == ("dead_letter", "EventTimeout")
+        client.retry_dead_letter(run_id)  # a dead_letter run takes no events: retried first
+        client.send_event(run_id, "early", "too late")
+        client.send_event(run_id, "approval", {"by": "ops"})
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", ["no early event", {"by": "ops"}]), run
+    assert [(s.name, s.output) for s in client.steps(run_id)] == [
+        ("event:early", {"timeout": True}), ("event:approval", {"payload": {"by": "ops"}})]
+
+
 def test_fan_out_and_in_with_one_failing_child(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
