@@ -349,6 +349,38 @@ def test_a_write_without_a_fencing_token_is_refused_as_a_stale_lease(
     assert scalar(db, "select count(*) from flowly.steps") == 0
 
 
+@pytest.mark.parametrize("call", [
+    "flowly.complete_runs(array['r1', 'r2'], array[E1, E2], array['1'::jsonb])",
+    "flowly.complete_runs(array['r1', 'r2'], array[E1, E2], array['1'::jsonb, null])",
+    "flowly.complete_runs(array['r1', null], array[E1, E2], array['1'::jsonb, '2'])",
+    "flowly.checkpoint_steps(array['r1', 'r2'], array[E1, E2], array['s', 's'],"
+    " array['1'::jsonb, '2'], array[now()], array[false, false], array[1, 1])",
+    "flowly.checkpoint_steps(array['r1', 'r2'], array[E1, E2], array['s', 's'],"
+    " array['1'::jsonb, '2'], array[now(), null], array[false, false], array[1, 1])",
+    "flowly.checkpoint_steps(array['r1', 'r2'], array[E1, E2], array['s', 's'],"
+    " array['1'::jsonb, '2'], array[now(), now()], array[false, null], array[1, 1])",
+    "flowly.checkpoint_steps(array['r1', 'r2'], array[E1, E2], array['s', 's'],"
+    " array['1'::jsonb, null], array[now(), now()], array[false, false], array[1, 1])",
+])
+def test_a_batch_call_with_short_arrays_or_missing_values_is_refused_whole(
+    db: psycopg.Connection[Any], call: str,
+) -> None:
+    """complete_runs and checkpoint_steps unnest their arrays side by side, which pads the
+    short ones with NULLs: a missing output completed run r2 with none at all, a missing
+    start time or flag failed with the table's 23502. Refused with WF003, nothing written."""
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    db.execute("select flowly.start('quick', run_id => 'r2')")
+    epochs = dict(db.execute("select run_id, lease_epoch from flowly.claim('w1',"
+                             " array['quick'], array['default'], 2, '30 seconds')").fetchall())
+    call = call.replace("E1", str(epochs["r1"])).replace("E2", str(epochs["r2"]))
+    with pytest.raises(psycopg.Error) as info:
+        db.execute(f"select * from {call}")
+    assert info.value.sqlstate == "WF003", info.value
+    assert db.execute("select id, status, output from flowly.runs order by id").fetchall() == [
+        ("r1", "running", None), ("r2", "running", None)]
+    assert scalar(db, "select count(*) from flowly.steps") == 0
+
+
 def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     db: psycopg.Connection[Any],
 ) -> None:

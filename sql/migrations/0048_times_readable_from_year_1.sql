@@ -70,7 +70,7 @@ begin
     v_wake_at := coalesce(p_wake_at, now() + make_interval(secs => greatest(p_seconds, 0)));
     if v_wake_at is null or not isfinite(v_wake_at) or v_wake_at >= readable_time_end()
        or v_wake_at < readable_time_start() then
-        raise exception 'sleep % needs a wake time between the years 1 and 10000, got %',
+        raise exception 'sleep % needs a finite wake time between the years 1 and 10000, got %',
             p_name, coalesce(v_wake_at::text, 'none') using errcode = 'WF003';
     end if;
     perform lock_held_run(p_run_id, p_epoch, array['running']);
@@ -127,7 +127,7 @@ begin
     end if;
     if not isfinite(v_due) or v_due >= readable_time_end() or v_due < readable_time_start()
     then
-        raise exception 'scheduled_for must be a time between the years 1 and 10000, got %',
+        raise exception 'scheduled_for must be a finite time between the years 1 and 10000, got %',
             v_due using errcode = 'WF003';
     end if;
     if start.max_attempts is null or start.max_attempts < 1 then
