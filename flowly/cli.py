@@ -31,10 +31,11 @@ import psycopg
 from psycopg import sql
 
 from . import __version__
-from .client import Client, Run, client_timeout
+from .arguments import STATUSES, seconds
+from .client import Client, Run
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
-from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, translated_errors
+from .db import DEFAULT_SCHEMA, TERMINAL, translated_errors
 from .errors import (
     FlowlyError,
     InvalidArgument,
@@ -61,7 +62,6 @@ from .worker import DEFAULT_MAX_OUTPUT_BYTES, Worker
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-STATUSES = (*NON_TERMINAL, *TERMINAL)
 
 
 class CliError(Exception):
@@ -77,7 +77,7 @@ class CliError(Exception):
 
 def _client(args: argparse.Namespace) -> Client:
     # named as the option, a bad value exits as a bad invocation (InvalidArgument, see _run)
-    timeout = client_timeout(args.db_timeout, "--db-timeout")
+    timeout = seconds("--db-timeout", args.db_timeout)
     return Client(args.dsn, schema=args.schema, timeout=timeout)
 
 

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from . import arguments
 from .bounded_calls import Cutoff, within
 from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
 from .errors import (
@@ -119,22 +120,43 @@ class StepAttempt:
     retry_at: datetime | None
 
 
-def _run_id(run_id: Any) -> str:
-    """A run id as the database keys runs: text. An order id passed as an int would otherwise
-    reach the server as a number and fail there as a missing function."""
-    if not isinstance(run_id, str):
-        raise InvalidArgument(f"a run id is a string, got {type(run_id).__name__} {run_id!r}")
-    return run_id
-
-
 def _from_row(cls: type[Any], row: dict[str, Any]) -> Any:
     return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
-def _wait_statuses(status: str | Collection[str] | None) -> Collection[str]:
-    if status is None:
-        return TERMINAL
-    return (status,) if isinstance(status, str) else status
+def _run_id(value: Any) -> str:
+    """A run id as the database keys runs: text (an order id passed as an int would reach
+    the server as a number and fail there as a missing function)."""
+    return arguments.text("run_id", value)
+
+
+def _wait_args(status: str | Collection[str] | None, timeout: float | None
+               ) -> tuple[Collection[str], float | None]:
+    return (arguments.statuses("status", status) or TERMINAL,
+            arguments.seconds("timeout", timeout))
+
+
+def _event_args(run_id: Any, name: Any, payload: Any) -> tuple[str, str, str]:
+    return (_run_id(run_id), arguments.text("event name", name),
+            dumps_argument(payload, "event payload"))
+
+
+def _purge_args(older_than: Any, statuses: Any, batch: Any) -> tuple[timedelta, list[str], int]:
+    return (arguments.age("older_than", older_than),
+            list(arguments.statuses("statuses", statuses, TERMINAL) or ()),
+            arguments.int4("batch", batch))
+
+
+def _served_args(workflow: Any, queue: Any) -> tuple[str, str]:
+    return arguments.text("workflow", workflow), arguments.text("queue", queue)
+
+
+def _schedule_name(name: Any) -> tuple[str]:
+    return (arguments.text("schedule name", name),)
+
+
+def _cron_next_args(cron: Any, after: datetime | None, timezone: Any) -> tuple[Any, ...]:
+    return arguments.text("cron", cron), after, arguments.text("timezone", timezone)
 
 
 # statuses no engine call moves a run out of (retry_dead_letter moves a dead_letter run on)
@@ -173,15 +195,6 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
 
 # how long past its timeout a wait may go on for the database's answer before it is cut off
 _ANSWER_GRACE = 1.0
-
-
-def client_timeout(timeout: float | None, name: str = "timeout") -> float | None:
-    """``timeout`` if it is None or a positive finite number of seconds, else
-    :class:`InvalidArgument` naming it as ``name`` (the command line's option, say)."""
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        shown = f"{timeout:g}" if isinstance(timeout, (int, float)) else repr(timeout)
-        raise InvalidArgument(f"{name} must be a positive number of seconds, got {shown}")
-    return timeout
 
 
 def _connect_bound(timeout: float | None) -> dict[str, Any]:
@@ -282,10 +295,6 @@ def parse_since(since: Since) -> datetime | timedelta:
                               f" got {since!r}") from None
 
 
-def _purge_age(older_than: float | timedelta) -> timedelta:
-    return older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
-
-
 # what a listing without data reads of a run: every field of Run but its input and output
 _RUN_WITHOUT_DATA = sql.SQL(", ").join(
     [sql.Identifier(f.name) for f in fields(Run) if f.name not in ("input", "output")]
@@ -300,13 +309,13 @@ def list_runs_query(
     so the planner can use the indexes on ``runs`` (a ``%s is null or ...`` pattern cannot);
     without ``data``, it reads no input or output."""
     conditions: list[sql.Composable] = []
-    params: dict[str, Any] = {"limit": limit}
+    params: dict[str, Any] = {"limit": arguments.limit(limit)}
     if status is not None:
         conditions.append(sql.SQL("status = %(status)s"))
-        params["status"] = status
+        params["status"] = arguments.status("status", status)
     if workflow is not None:
         conditions.append(sql.SQL("workflow = %(workflow)s"))
-        params["workflow"] = workflow
+        params["workflow"] = arguments.text("workflow", workflow)
     if since is not None:
         point = parse_since(since)
         params["since"] = point
@@ -341,7 +350,7 @@ class Client:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = client_timeout(timeout)
+        self.timeout = arguments.seconds("timeout", timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
         self._bounded: psycopg.Connection[Any] | None = None
@@ -454,7 +463,7 @@ class Client:
 
     def is_served(self, workflow: str, queue: str = "default") -> bool:
         """Whether a live worker serves ``workflow`` on ``queue`` right now."""
-        return bool(self._fetch(self.calls.is_served, (workflow, queue))[0]["exists"])
+        return bool(self._fetch(self.calls.is_served, _served_args(workflow, queue))[0]["exists"])
 
     def wait(
         self, run_id: str, status: str | Collection[str] | None = None,
@@ -468,7 +477,7 @@ class Client:
         soon as the run ended ``completed`` or ``cancelled`` when that is not a status waited
         for (it can never reach one; a ``dead_letter`` run may still be retried).
         """
-        wanted = _wait_statuses(status)
+        wanted, timeout = _wait_args(status, timeout)
         if timeout is None:
             return self._wait(run_id, wanted, None)
         # a database that stops answering (the bytes acknowledged, so no TCP timeout notices)
@@ -528,8 +537,7 @@ class Client:
         """Send event ``name`` with a JSON ``payload`` to a run (its next
         ``ctx.wait_for_event(name)`` receives it); returns the event's sequence number.
         ``conn`` joins the caller's transaction."""
-        rows = self._fetch(self.calls.send_event,
-                           (_run_id(run_id), name, dumps_argument(payload, "event payload")), conn)
+        rows = self._fetch(self.calls.send_event, _event_args(run_id, name, payload), conn)
         return int(rows[0]["send_event"])
 
     def purge(self, older_than: float | timedelta, *, statuses: Collection[str] = TERMINAL,
@@ -537,7 +545,7 @@ class Client:
         """Delete runs that finished (with one of ``statuses``) over ``older_than`` ago, with
         their steps, attempts and timers, ``batch`` runs per transaction so live work never
         waits long; returns how many were deleted. Unfinished runs are never touched."""
-        args = (_purge_age(older_than), list(statuses), batch)
+        args = _purge_args(older_than, statuses, batch)
         total = 0
         while (deleted := int(self._fetch(self.calls.purge, args)[0]["purge"])) > 0:
             total += deleted
@@ -582,15 +590,16 @@ class Client:
 
     def unschedule(self, name: str) -> bool:
         """Delete a schedule (its runs stay); whether there was one."""
-        return bool(self._fetch(self._schedule_calls.unschedule, (name,))[0]["removed"])
+        rows = self._fetch(self._schedule_calls.unschedule, _schedule_name(name))
+        return bool(rows[0]["removed"])
 
     def pause_schedule(self, name: str) -> Schedule:
         """Stop firing a schedule until :meth:`resume_schedule`."""
-        return to_schedule(self._fetch(self._schedule_calls.pause, (name,))[0])
+        return to_schedule(self._fetch(self._schedule_calls.pause, _schedule_name(name))[0])
 
     def resume_schedule(self, name: str) -> Schedule:
         """Fire a paused schedule again, from its next fire time after now."""
-        return to_schedule(self._fetch(self._schedule_calls.resume, (name,))[0])
+        return to_schedule(self._fetch(self._schedule_calls.resume, _schedule_name(name))[0])
 
     def schedules(self) -> list[Schedule]:
         """Every schedule, by name."""
@@ -600,7 +609,8 @@ class Client:
                   timezone: str = "UTC") -> datetime | None:
         """The first fire time of ``cron`` in ``timezone`` strictly after ``after`` (default:
         now), as the schedules compute it."""
-        rows = self._fetch(self._schedule_calls.cron_next, (cron, after, timezone))
+        rows = self._fetch(self._schedule_calls.cron_next,
+                                 _cron_next_args(cron, after, timezone))
         return rows[0]["fire_at"]  # type: ignore[no-any-return]
 
     @property
@@ -619,7 +629,7 @@ class AsyncClient:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = client_timeout(timeout)
+        self.timeout = arguments.seconds("timeout", timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._bounded: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
@@ -715,14 +725,15 @@ class AsyncClient:
 
     async def is_served(self, workflow: str, queue: str = "default") -> bool:
         """See :meth:`Client.is_served`."""
-        return bool((await self._fetch(self.calls.is_served, (workflow, queue)))[0]["exists"])
+        rows = await self._fetch(self.calls.is_served, _served_args(workflow, queue))
+        return bool(rows[0]["exists"])
 
     async def wait(
         self, run_id: str, status: str | Collection[str] | None = None,
         timeout: float | None = None,
     ) -> Run:
         """See :meth:`Client.wait`."""
-        wanted = _wait_statuses(status)
+        wanted, timeout = _wait_args(status, timeout)
         if timeout is None:
             return await self._wait(run_id, wanted, None)
         try:
@@ -772,14 +783,13 @@ class AsyncClient:
     async def send_event(self, run_id: str, name: str, payload: Any = None, *,
                          conn: psycopg.AsyncConnection[Any] | None = None) -> int:
         """See :meth:`Client.send_event`."""
-        params = (_run_id(run_id), name, dumps_argument(payload, "event payload"))
-        rows = await self._fetch(self.calls.send_event, params, conn)
+        rows = await self._fetch(self.calls.send_event, _event_args(run_id, name, payload), conn)
         return int(rows[0]["send_event"])
 
     async def purge(self, older_than: float | timedelta, *,
                     statuses: Collection[str] = TERMINAL, batch: int = 1000) -> int:
         """See :meth:`Client.purge`."""
-        args = (_purge_age(older_than), list(statuses), batch)
+        args = _purge_args(older_than, statuses, batch)
         total = 0
         while (deleted := int((await self._fetch(self.calls.purge, args))[0]["purge"])) > 0:
             total += deleted
@@ -811,16 +821,17 @@ class AsyncClient:
 
     async def unschedule(self, name: str) -> bool:
         """See :meth:`Client.unschedule`."""
-        rows = await self._fetch(self._schedule_calls.unschedule, (name,))
+        rows = await self._fetch(self._schedule_calls.unschedule, _schedule_name(name))
         return bool(rows[0]["removed"])
 
     async def pause_schedule(self, name: str) -> Schedule:
         """See :meth:`Client.pause_schedule`."""
-        return to_schedule((await self._fetch(self._schedule_calls.pause, (name,)))[0])
+        return to_schedule((await self._fetch(self._schedule_calls.pause, _schedule_name(name)))[0])
 
     async def resume_schedule(self, name: str) -> Schedule:
         """See :meth:`Client.resume_schedule`."""
-        return to_schedule((await self._fetch(self._schedule_calls.resume, (name,)))[0])
+        rows = await self._fetch(self._schedule_calls.resume, _schedule_name(name))
+        return to_schedule(rows[0])
 
     async def schedules(self) -> list[Schedule]:
         """See :meth:`Client.schedules`."""
@@ -829,7 +840,8 @@ class AsyncClient:
     async def cron_next(self, cron: str, after: datetime | None = None,
                         timezone: str = "UTC") -> datetime | None:
         """See :meth:`Client.cron_next`."""
-        rows = await self._fetch(self._schedule_calls.cron_next, (cron, after, timezone))
+        rows = await self._fetch(self._schedule_calls.cron_next,
+                                 _cron_next_args(cron, after, timezone))
         return rows[0]["fire_at"]  # type: ignore[no-any-return]
 
     @property

@@ -14,9 +14,9 @@ from datetime import datetime
 from functools import cache, partial
 from typing import Any
 
+from .arguments import int4, text
 from .db import check_schema_name, dumps_argument, schema_statement
-from .errors import InvalidArgument
-from .workflow import WorkflowFn, int4, lookup
+from .workflow import WorkflowFn, lookup
 
 MISSED = ("skip", "run_once")
 OVERLAP = ("allow", "skip")
@@ -87,10 +87,12 @@ def schedule_params(
     """Named parameters for ``schedule``: a workflow given by name or decorated function
     (whose registration gives the default queue and max_attempts); the SQL validates the
     rest (the expression, the zone, the names) and says which is wrong."""
+    text("schedule name", name)
     workflow_name, defaults = lookup(workflow)
-    if not isinstance(cron, str):
-        raise InvalidArgument(f"schedule {name!r}: cron must be a string, got"
-                              f" {type(cron).__name__} {cron!r}")
+    for what, value in (("cron", cron), ("timezone", timezone), ("missed", missed),
+                        ("overlap", overlap), ("queue", queue)):
+        if value is not None:
+            text(f"{what} of schedule {name!r}", value)
     if max_attempts is None:
         max_attempts = defaults.max_attempts if defaults else 3
     return {

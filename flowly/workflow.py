@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .arguments import int4, optional_text
 from .db import dumps_argument
 from .errors import InvalidArgument, UnknownWorkflow
 
@@ -137,15 +138,16 @@ def start_params(
     if unknown:
         raise TypeError(f"unknown start option(s): {', '.join(sorted(unknown))}")
     return {
-        "workflow": _text(workflow, "workflow", workflow),
+        "workflow": optional_text(f"workflow of a {workflow!r} run", workflow),
         "input": dumps_argument(input, f"input of a {workflow!r} run"),
-        "run_id": _text(workflow, "run_id", run_id),
-        "queue": _text(workflow, "queue", _option(
+        "run_id": optional_text(f"run_id of a {workflow!r} run", run_id),
+        "queue": optional_text(f"queue of a {workflow!r} run", _option(
             options, "queue", defaults.queue if defaults else "default")),
         "priority": int4(f"priority of a {workflow!r} run", _option(options, "priority", 0)),
         "scheduled_for": options.get("scheduled_for"),
         "delay": _interval(workflow, "delay", options.get("delay")),
-        "concurrency_key": _text(workflow, "concurrency_key", options.get("concurrency_key")),
+        "concurrency_key": optional_text(f"concurrency_key of a {workflow!r} run",
+                                         options.get("concurrency_key")),
         "max_attempts": int4(f"max_attempts of a {workflow!r} run", _option(
             options, "max_attempts", defaults.max_attempts if defaults else 3)),
         "timeout": _interval(workflow, "timeout", options.get("timeout")),
@@ -160,29 +162,6 @@ def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     """The caller's value when given (even a falsy one, which SQL then validates)."""
     value = options.get(name)
     return default if value is None else value
-
-
-def _text(workflow: Any, name: str, value: Any) -> str | None:
-    """``value`` if it is text the database can hold (its length limit is checked in SQL)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InvalidArgument(
-            f"{name} of a {workflow!r} run must be a string, got {type(value).__name__}")
-    if "\x00" in value:
-        raise InvalidArgument(
-            f"{name} of a {workflow!r} run must not contain the NUL character")
-    return value
-
-
-def int4(what: str, value: Any) -> int:
-    """``value`` if the database's integer can hold it (the SQL checks its range of meaning);
-    ``what`` names it in the error."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
-    if not -2**31 <= value < 2**31:
-        raise InvalidArgument(f"{what} is out of range: {value}")
-    return value
 
 
 def _interval(workflow: str, name: str, value: float | timedelta | None) -> timedelta | None:

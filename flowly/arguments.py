@@ -1,0 +1,105 @@
+"""Checks of the values callers hand the client, made before anything reaches the database.
+
+A value of the wrong type would otherwise fail there as something else: an int as a name
+makes PostgreSQL look for a function that does not exist (read as "flowly is not
+installed"), a list is sent as an array and stored as the text ``{ev}``, a NUL character
+fails as a raw data error, a negative limit as a bare SQL error. Each check raises
+:class:`InvalidArgument` naming the argument and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from datetime import timedelta
+from typing import Any
+
+from .db import NON_TERMINAL, TERMINAL
+from .errors import InvalidArgument
+
+STATUSES = (*NON_TERMINAL, *TERMINAL)
+
+
+def text(what: str, value: Any) -> str:
+    """``value`` if it is text the database can hold (lengths are checked in SQL)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{what} must not contain the NUL character, got {value!r}")
+    return value
+
+
+def optional_text(what: str, value: Any) -> str | None:
+    return None if value is None else text(what, value)
+
+
+def int4(what: str, value: Any) -> int:
+    """``value`` if the database's integer can hold it (the SQL checks its range of meaning)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
+    if not -2**31 <= value < 2**31:
+        raise InvalidArgument(f"{what} is out of range: {value}")
+    return value
+
+
+def limit(value: Any) -> int:
+    """A listing's ``limit``: how many rows at most, zero or more."""
+    if int4("limit", value) < 0:
+        raise InvalidArgument(f"limit must be zero or more, got {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def seconds(what: str, value: Any) -> float | None:
+    """``value`` if it is None or a positive finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+        raise InvalidArgument(f"{what} must be a positive number of seconds, got {shown}")
+    return value
+
+
+def status(what: str, value: Any) -> str:
+    """``value`` if it is a run status: a misspelt one would match no run."""
+    if text(what, value) not in STATUSES:
+        raise InvalidArgument(f"{what} must be one of {', '.join(STATUSES)}, got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+def statuses(what: str, value: str | Collection[str] | None, allowed: Collection[str] = STATUSES,
+             ) -> tuple[str, ...] | None:
+    """``value`` (one status or several) as a tuple of known run statuses: a misspelt one
+    would otherwise match no run, and a wait for it would wait for ever."""
+    if value is None:
+        return None
+    given = (value,) if isinstance(value, str) else value
+    if not isinstance(given, Collection) or not given:
+        raise InvalidArgument(f"{what} must be one of {', '.join(allowed)}, or a collection"
+                              f" of them, got {value!r}")
+    unknown = [s for s in given if s not in allowed]
+    if unknown:
+        raise InvalidArgument(f"{what} must be among {', '.join(allowed)}, got {unknown[0]!r}")
+    return tuple(given)
+
+
+def age(what: str, value: Any) -> timedelta:
+    """An age given as seconds or a timedelta, zero or more."""
+    if isinstance(value, timedelta):
+        result = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            result = timedelta(seconds=value)
+        except (OverflowError, ValueError):  # infinities, NaN and ages past timedelta's range
+            raise InvalidArgument(f"{what} must be a finite number of seconds, got {value}") \
+                from None
+    else:
+        raise InvalidArgument(f"{what} must be seconds or a timedelta, got"
+                              f" {type(value).__name__} {value!r}")
+    if result < timedelta(0):
+        raise InvalidArgument(f"{what} must be zero or more, got {value}")
+    return result
+
+
+__all__ = ["STATUSES", "age", "int4", "limit", "optional_text", "seconds", "status", "statuses",
+           "text"]
