@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .db import NON_TERMINAL, TERMINAL
@@ -49,14 +49,15 @@ def limit(value: Any) -> int:
     return value  # type: ignore[no-any-return]
 
 
-def seconds(what: str, value: Any) -> float | None:
-    """``value`` if it is None or a positive finite number of seconds."""
+def seconds(what: str, value: Any, *, zero: bool = False) -> float | None:
+    """``value`` if it is None or a finite number of seconds, positive (or ``zero``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value < math.inf:
+            or not (0 <= value if zero else 0 < value) or not value < math.inf:
         shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
-        raise InvalidArgument(f"{what} must be a positive number of seconds, got {shown}")
+        least = "zero or more" if zero else "a positive number of"
+        raise InvalidArgument(f"{what} must be {least} seconds, got {shown}")
     return value
 
 
@@ -83,23 +84,39 @@ def statuses(what: str, value: str | Collection[str] | None, allowed: Collection
     return tuple(given)
 
 
-def age(what: str, value: Any) -> timedelta:
-    """An age given as seconds or a timedelta, zero or more."""
+def _timedelta(what: str, value: Any) -> timedelta:
+    """``value``, seconds or a timedelta, as a timedelta."""
     if isinstance(value, timedelta):
-        result = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            result = timedelta(seconds=value)
-        except (OverflowError, ValueError):  # infinities, NaN and ages past timedelta's range
-            raise InvalidArgument(f"{what} must be a finite number of seconds, got {value}") \
-                from None
-    else:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{what} must be seconds or a timedelta, got"
                               f" {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{what} must be a finite number of seconds, got {value}")
+    try:
+        return timedelta(seconds=value)
+    except OverflowError:
+        raise InvalidArgument(f"{what} is out of range: {value} seconds") from None
+
+
+def age(what: str, value: Any) -> timedelta:
+    """An age given as seconds or a timedelta, zero or more."""
+    result = _timedelta(what, value)
     if result < timedelta(0):
         raise InvalidArgument(f"{what} must be zero or more, got {value}")
     return result
 
 
-__all__ = ["STATUSES", "age", "int4", "limit", "optional_text", "seconds", "status", "statuses",
-           "text"]
+def seconds_ahead(what: str, value: Any) -> float:
+    """``value``, seconds or a timedelta from now, as seconds: a time ahead that stays
+    readable (before the year 10000; a negative value is a time already past)."""
+    delta = _timedelta(what, value)
+    try:
+        datetime.now(UTC) + delta
+    except OverflowError:
+        raise InvalidArgument(f"{what} must end before the year 10000, got {value}") from None
+    return delta.total_seconds()
+
+
+__all__ = ["STATUSES", "age", "int4", "limit", "optional_text", "seconds", "seconds_ahead",
+           "status", "statuses", "text"]

@@ -133,7 +133,7 @@ def _run_id(value: Any) -> str:
 def _wait_args(status: str | Collection[str] | None, timeout: float | None
                ) -> tuple[Collection[str], float | None]:
     return (arguments.statuses("status", status) or TERMINAL,
-            arguments.seconds("timeout", timeout))
+            arguments.seconds("timeout", timeout, zero=True))
 
 
 def _event_args(run_id: Any, name: Any, payload: Any) -> tuple[str, str, str]:

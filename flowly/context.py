@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
+from . import arguments
 from .branches import branch_label, current_path, engine_await
 from .db import dumps, is_connection_failure, is_contention, jsonb_safe_text, utf8_size
 from .errors import (
@@ -120,6 +121,15 @@ class RunStore(Protocol):
     def check_lease(self) -> None:
         """Raise LeaseLostInterrupt if the lease may have lapsed (nothing renewed it for a
         lease): a step must not start under a lease another worker may hold by now."""
+
+
+def _code_checked(check: Callable[[str, Any], T], what: str, value: Any) -> T:
+    """``check(what, value)``: a value it refuses is a mistake of the workflow's code, which
+    every attempt would make again."""
+    try:
+        return check(what, value)
+    except InvalidArgument as exc:
+        raise WorkflowCodeError(str(exc)) from None
 
 
 # names key a btree index (run id, name), whose entries must stay under about 2.7 kB; the
@@ -551,7 +561,7 @@ class Context:
         The wake time is stored once; the run is released while it sleeps and resumes at
         that time, on any worker, even after restarts.
         """
-        delay = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+        delay = _code_checked(arguments.seconds_ahead, f"sleep {name!r}", seconds)
         return self._track(f"sleep {name!r}", self._sleep(name, None, delay))
 
     def sleep_until(self, name: str, when: datetime) -> Awaitable[None]:
@@ -647,7 +657,9 @@ class Context:
         ``timeout`` (measured from the first time the wait is reached) it raises
         :class:`flowly.EventTimeout`. The outcome is recorded, so a replay sees the same.
         """
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        _code_checked(arguments.text, "event name", name)
+        seconds = None if timeout is None else _code_checked(
+            arguments.seconds_ahead, f"timeout of wait for event {name!r}", timeout)
         return self._track(f"wait for event {name!r}", self._wait_for_event(
             name, seconds, self._wait_record("event", name)))
 

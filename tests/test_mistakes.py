@@ -7,6 +7,9 @@ so such a run fails on its first attempt instead of three.
 
 from __future__ import annotations
 
+import math
+import re
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -36,3 +39,55 @@ def test_a_mistake_in_workflow_code_fails_the_run_at_once(
     assert message in run.error["message"]
     # the un-awaited step never ran
     assert scalar(db, "select count(*) from public.test_effects where run_id = %s", run_id) == 0
+
+
+# what a body hands ctx.sleep and ctx.wait_for_event: each would be wrong on every attempt
+_ODD_WAITS: dict[str, Any] = {
+    "event name int": lambda ctx: ctx.wait_for_event(42),
+    "event name NUL": lambda ctx: ctx.wait_for_event("e\x00v"),
+    "event timeout bool": lambda ctx: ctx.wait_for_event("ev", timeout=True),
+    "event timeout text": lambda ctx: ctx.wait_for_event("ev", timeout="30s"),
+    "event timeout nan": lambda ctx: ctx.wait_for_event("ev", timeout=math.nan),
+    "event timeout inf": lambda ctx: ctx.wait_for_event("ev", timeout=math.inf),
+    "event timeout 1e15": lambda ctx: ctx.wait_for_event("ev", timeout=1e15),
+    "sleep nan": lambda ctx: ctx.sleep("nap", math.nan),
+    "sleep inf": lambda ctx: ctx.sleep("nap", math.inf),
+    "sleep 1e15": lambda ctx: ctx.sleep("nap", 1e15),
+    "event timeout 3e11": lambda ctx: ctx.wait_for_event("ev", timeout=3e11),
+    "sleep 3e11 s as days": lambda ctx: ctx.sleep("nap", timedelta(days=3e11 / 86400)),
+    "sleep text": lambda ctx: ctx.sleep("nap", "10"),
+}
+
+
+@flowly.workflow("odd_wait")
+async def odd_wait(ctx: flowly.Context, inp: str) -> Any:
+    return await _ODD_WAITS[inp](ctx)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("event name int", "event name must be a string, got int"),
+    ("event name NUL", "event name must not contain the NUL"),
+    ("event timeout bool", "timeout of wait for event 'ev' must be seconds or a timedelta"),
+    ("event timeout text", "timeout of wait for event 'ev' must be seconds or a timedelta"),
+    ("event timeout nan", "timeout of wait for event 'ev' must be a finite"),
+    ("event timeout inf", "timeout of wait for event 'ev' must be a finite"),
+    ("event timeout 1e15", "timeout of wait for event 'ev' is out of range"),
+    ("event timeout 3e11", "timeout of wait for event 'ev' must end before the year 10000"),
+    ("sleep nan", "sleep 'nap' must be a finite"),
+    ("sleep inf", "sleep 'nap' must be a finite"),
+    ("sleep 1e15", "sleep 'nap' is out of range"),
+    ("sleep 3e11 s as days", "sleep 'nap' must end before the year 10000"),
+    ("sleep text", "sleep 'nap' must be seconds or a timedelta, got str"),
+])
+def test_a_wait_the_database_cannot_hold_fails_the_run_at_once_naming_it(
+    dsn: str, client: flowly.Client, case: str, message: str
+) -> None:
+    """These reached the database (a raw 22008 or a WF003 retried as if it could pass next
+    time), were taken as something else (True as one second, "10" as ten) or named nothing."""
+    run_id = client.start("odd_wait", case, max_attempts=3)
+    with running_worker(dsn, workflows=["odd_wait"]):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "dead_letter"
+    assert run.attempt == 1, "retried a run that could never succeed"
+    assert (run.error["type"], message) == ("WorkflowCodeError", message)
+    assert re.search(message, run.error["message"]), run.error["message"]
