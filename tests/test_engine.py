@@ -381,6 +381,44 @@ def test_a_batch_call_with_short_arrays_or_missing_values_is_refused_whole(
     assert scalar(db, "select count(*) from flowly.steps") == 0
 
 
+@pytest.mark.parametrize("steps", ["'{}'::text[]", "null", "array[null]::text[]"])
+def test_a_park_for_no_wait_is_refused_and_keeps_the_run_and_its_waits(
+    db: psycopg.Connection[Any], steps: str,
+) -> None:
+    """park(p_steps => '{}') dropped the run's waits and parked it until 9999-12-31, where
+    nothing wakes it; now WF003, the run still held with its wait."""
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w1', array['quick'],"
+                       " array['default'], 1, '30 seconds')")
+    db.execute("select * from flowly.wait_for_event('r1', %s, 'wait:go', 'go')", (epoch,))
+    with pytest.raises(psycopg.Error) as info:
+        db.execute(f"select flowly.park('r1', %s, {steps})", (epoch,))
+    assert info.value.sqlstate == "WF003", info.value
+    assert db.execute("select status, locked_by from flowly.runs").fetchone() == ("running", "w1")
+    assert scalar(db, "select count(*) from flowly.waits where run_id = 'r1'") == 1
+
+
+def test_a_replay_page_of_the_largest_size_does_not_overflow(db: psycopg.Connection[Any]) -> None:
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w1', array['quick'],"
+                       " array['default'], 1, '30 seconds')")
+    db.execute("select flowly.checkpoint('r1', %s, 's', '1'::jsonb)", (epoch,))
+    rows = db.execute("select name, more from flowly.replay('r1', 0, 2147483647)").fetchall()
+    assert rows == [("s", False)]
+
+
+def test_a_purge_older_than_the_first_time_deletes_nothing(
+    db: psycopg.Connection[Any], client: flowly.Client,
+) -> None:
+    """older_than past the year 1 made now() - older_than overflow (22008): no run finished
+    that long ago, so nothing is deleted (SQL and Client alike)."""
+    db.execute("select flowly.start('quick', run_id => 'r1')")
+    db.execute("select flowly.cancel('r1')")
+    assert scalar(db, "select flowly.purge(older_than => '100000 years')") == 0
+    assert client.purge(1e12) == 0 and client.purge(timedelta(days=999_999_999)) == 0
+    assert client.purge(0) == 1
+
+
 def test_stale_fencing_token_is_refused_with_its_own_sqlstate(
     db: psycopg.Connection[Any],
 ) -> None:
