@@ -44,9 +44,10 @@ def int4(what: str, value: Any) -> int:
 
 def limit(value: Any) -> int:
     """A listing's ``limit``: how many rows at most, zero or more."""
-    if int4("limit", value) < 0:
+    checked = int4("limit", value)
+    if checked < 0:
         raise InvalidArgument(f"limit must be zero or more, got {value}")
-    return value  # type: ignore[no-any-return]
+    return checked
 
 
 def seconds(what: str, value: Any, *, zero: bool = False) -> float | None:
@@ -63,9 +64,10 @@ def seconds(what: str, value: Any, *, zero: bool = False) -> float | None:
 
 def status(what: str, value: Any) -> str:
     """``value`` if it is a run status: a misspelt one would match no run."""
-    if text(what, value) not in STATUSES:
+    checked = text(what, value)
+    if checked not in STATUSES:
         raise InvalidArgument(f"{what} must be one of {', '.join(STATUSES)}, got {value!r}")
-    return value  # type: ignore[no-any-return]
+    return checked
 
 
 def statuses(what: str, value: str | Collection[str] | None, allowed: Collection[str] = STATUSES,

@@ -609,8 +609,7 @@ class Client:
                   timezone: str = "UTC") -> datetime | None:
         """The first fire time of ``cron`` in ``timezone`` strictly after ``after`` (default:
         now), as the schedules compute it."""
-        rows = self._fetch(self._schedule_calls.cron_next,
-                                 _cron_next_args(cron, after, timezone))
+        rows = self._fetch(self._schedule_calls.cron_next, _cron_next_args(cron, after, timezone))
         return rows[0]["fire_at"]  # type: ignore[no-any-return]
 
     @property
