@@ -156,10 +156,22 @@ def test_a_step_that_kills_every_worker_ends_as_poison_not_a_crash_loop(
 ) -> None:
     run_id = client.start("kills_its_worker", None)
     limit = scalar(db, "select flowly.max_takeovers()")
+    deaths = 0
     for _ in range(limit + 1):  # the first claim and `limit` takeovers each kill a worker
         with worker_process(dsn, "--lease", "0.3") as worker:
-            assert worker.proc.wait(30) == 3
-    assert client.get(run_id).status == "running"  # held by the last dead worker
+            # on a loaded machine a worker may also lose its 0.3 s lease before the step
+            # starts and take the run over again: a takeover without a death, so the run is
+            # poison after fewer deaths, and a later worker finds it so and lives
+            wait_for(lambda: worker.proc.poll() is not None
+                     or client.get(run_id).status == "dead_letter",
+                     timeout=30, what="the worker killed by the step, or the run poison")
+            if worker.proc.poll() is None:
+                break
+            assert worker.proc.returncode == 3
+            deaths += 1
+    else:
+        assert client.get(run_id).status == "running"  # held by the last dead worker
+    assert 1 <= deaths <= limit + 1
     with worker_process(dsn, "--lease", "0.3") as survivor:
         run = client.wait(run_id, timeout=20)
         assert client.wait(client.start("quick", 1), timeout=20).status == "completed"
