@@ -109,16 +109,32 @@ def age(what: str, value: Any) -> timedelta:
     return result
 
 
-def seconds_ahead(what: str, value: Any) -> float:
-    """``value``, seconds or a timedelta from now, as seconds: a time ahead that stays
-    readable (before the year 10000; a negative value is a time already past)."""
+def time_ahead(what: str, value: Any) -> timedelta:
+    """``value``, seconds or a timedelta from now, if now plus it stays a readable time
+    (before the year 10000; a negative value is a time already past)."""
     delta = _timedelta(what, value)
     try:
         datetime.now(UTC) + delta
     except OverflowError:
         raise InvalidArgument(f"{what} must end before the year 10000, got {value}") from None
-    return delta.total_seconds()
+    return delta
 
 
-__all__ = ["STATUSES", "age", "int4", "limit", "optional_text", "seconds", "seconds_ahead",
-           "status", "statuses", "text"]
+def seconds_ahead(what: str, value: Any) -> float:
+    """:func:`time_ahead` in seconds."""
+    return time_ahead(what, value).total_seconds()
+
+
+def aware_time(what: str, value: Any) -> datetime:
+    """``value`` if it is a timezone-aware datetime: a naive one would be read in the
+    database session's time zone, which need not be the caller's."""
+    if not isinstance(value, datetime):
+        raise InvalidArgument(f"{what} must be a datetime, got {type(value).__name__} {value!r}")
+    if value.utcoffset() is None:
+        raise InvalidArgument(f"{what} must be timezone-aware (a naive datetime would be read"
+                              f" in the database's time zone), got {value}")
+    return value
+
+
+__all__ = ["STATUSES", "age", "aware_time", "int4", "limit", "optional_text", "seconds",
+           "seconds_ahead", "status", "statuses", "text", "time_ahead"]

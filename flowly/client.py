@@ -427,10 +427,11 @@ class Client:
     ) -> str:
         """Start a run and return its id (the existing run's id if it already exists).
 
-        ``options``: queue, priority, scheduled_for (a datetime) or delay (seconds or
-        timedelta, on the database's clock), concurrency_key, max_attempts, timeout (seconds
-        or timedelta). With ``conn``, the run is created in that connection's current
-        transaction and is only visible to workers once the caller commits.
+        ``options``: queue, priority, scheduled_for (a timezone-aware datetime) or delay
+        (seconds or timedelta, on the database's clock), concurrency_key, max_attempts,
+        timeout (seconds or timedelta). With ``conn``, the run is created in that
+        connection's current transaction and is only visible to workers once the caller
+        commits.
         """
         name, defaults = lookup(workflow)
         params = start_params(name, input, run_id, options, defaults)

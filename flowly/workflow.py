@@ -6,10 +6,10 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .arguments import int4, optional_text
+from .arguments import aware_time, int4, optional_text, time_ahead
 from .db import dumps_argument
 from .errors import InvalidArgument, UnknownWorkflow
 
@@ -144,8 +144,7 @@ def start_params(
         "queue": optional_text(f"queue of a {workflow!r} run", _option(
             options, "queue", defaults.queue if defaults else "default")),
         "priority": int4(f"priority of a {workflow!r} run", _option(options, "priority", 0)),
-        "scheduled_for": options.get("scheduled_for"),
-        "delay": _interval(workflow, "delay", options.get("delay")),
+        **_when(workflow, options),
         "concurrency_key": optional_text(f"concurrency_key of a {workflow!r} run",
                                          options.get("concurrency_key")),
         "max_attempts": int4(f"max_attempts of a {workflow!r} run", _option(
@@ -164,20 +163,18 @@ def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _interval(workflow: str, name: str, value: float | timedelta | None) -> timedelta | None:
-    """``value`` as a timedelta that keeps the run's times readable (years 1 to 9999)."""
-    if isinstance(value, (int, float)):
-        try:
-            value = timedelta(seconds=value)
-        except (OverflowError, ValueError):  # infinities and huge values overflow, NaN too
-            raise InvalidArgument(
-                f"{name} of a {workflow!r} run must be a finite number of seconds that fits"
-                f" an interval, got {value}") from None
-    if isinstance(value, timedelta):
-        try:
-            datetime.now(UTC) + value
-        except OverflowError:
-            raise InvalidArgument(
-                f"{name} of a {workflow!r} run must end before the year 10000 (times later"
-                f" than that cannot be read back), got {value}") from None
-    return value
+def _when(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``scheduled_for`` and ``delay``, at most one of them given."""
+    scheduled_for, delay = options.get("scheduled_for"), options.get("delay")
+    if scheduled_for is not None and delay is not None:
+        raise InvalidArgument(f"a {workflow!r} run takes scheduled_for or delay, not both")
+    return {
+        "scheduled_for": None if scheduled_for is None else aware_time(
+            f"scheduled_for of a {workflow!r} run", scheduled_for),
+        "delay": _interval(workflow, "delay", delay),
+    }
+
+
+def _interval(workflow: str, name: str, value: Any) -> timedelta | None:
+    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999)."""
+    return None if value is None else time_ahead(f"{name} of a {workflow!r} run", value)

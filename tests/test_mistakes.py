@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -41,8 +41,9 @@ def test_a_mistake_in_workflow_code_fails_the_run_at_once(
     assert scalar(db, "select count(*) from public.test_effects where run_id = %s", run_id) == 0
 
 
-# what a body hands ctx.sleep and ctx.wait_for_event: each would be wrong on every attempt
-_ODD_WAITS: dict[str, Any] = {
+# what a body hands ctx.sleep, ctx.wait_for_event and ctx.start: each would be wrong on every
+# attempt
+_ODD_CALLS: dict[str, Any] = {
     "event name int": lambda ctx: ctx.wait_for_event(42),
     "event name NUL": lambda ctx: ctx.wait_for_event("e\x00v"),
     "event timeout bool": lambda ctx: ctx.wait_for_event("ev", timeout=True),
@@ -56,12 +57,14 @@ _ODD_WAITS: dict[str, Any] = {
     "event timeout 3e11": lambda ctx: ctx.wait_for_event("ev", timeout=3e11),
     "sleep 3e11 s as days": lambda ctx: ctx.sleep("nap", timedelta(days=3e11 / 86400)),
     "sleep text": lambda ctx: ctx.sleep("nap", "10"),
+    "start naive time": lambda ctx: ctx.start("quick", scheduled_for=datetime(2030, 1, 1)),
+    "start delay text": lambda ctx: ctx.start("quick", delay="10"),
 }
 
 
-@flowly.workflow("odd_wait")
-async def odd_wait(ctx: flowly.Context, inp: str) -> Any:
-    return await _ODD_WAITS[inp](ctx)
+@flowly.workflow("odd_call")
+async def odd_call(ctx: flowly.Context, inp: str) -> Any:
+    return await _ODD_CALLS[inp](ctx)
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -78,14 +81,16 @@ async def odd_wait(ctx: flowly.Context, inp: str) -> Any:
     ("sleep 1e15", "sleep 'nap' is out of range"),
     ("sleep 3e11 s as days", "sleep 'nap' must end before the year 10000"),
     ("sleep text", "sleep 'nap' must be seconds or a timedelta, got str"),
+    ("start naive time", "scheduled_for of a 'quick' run must be timezone-aware"),
+    ("start delay text", "delay of a 'quick' run must be seconds or a timedelta"),
 ])
-def test_a_wait_the_database_cannot_hold_fails_the_run_at_once_naming_it(
+def test_a_value_every_attempt_would_pass_again_fails_the_run_at_once_naming_it(
     dsn: str, client: flowly.Client, case: str, message: str
 ) -> None:
     """These reached the database (a raw 22008 or a WF003 retried as if it could pass next
     time), were taken as something else (True as one second, "10" as ten) or named nothing."""
-    run_id = client.start("odd_wait", case, max_attempts=3)
-    with running_worker(dsn, workflows=["odd_wait"]):
+    run_id = client.start("odd_call", case, max_attempts=3)
+    with running_worker(dsn, workflows=["odd_call", "quick"]):
         run = client.wait(run_id, timeout=30)
     assert run.status == "dead_letter"
     assert run.attempt == 1, "retried a run that could never succeed"

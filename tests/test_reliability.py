@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import signal
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -236,6 +237,16 @@ def test_a_sync_step_raising_generator_exit_fails_its_step(
     ({"concurrency_key": 7}, "concurrency_key .*must be a string"),
     ({"max_attempts": "3"}, "max_attempts .*must be an integer"),
     ({"run_id": "a\x00b"}, "run_id .*must not contain the NUL character"),
+    # read in the database session's time zone, not the caller's
+    ({"scheduled_for": datetime(2030, 1, 1, 12)}, "scheduled_for .*must be timezone-aware"),
+    ({"scheduled_for": "2030-01-01"}, "scheduled_for .*must be a datetime, got str"),
+    ({"scheduled_for": 5}, "scheduled_for .*must be a datetime, got int"),
+    ({"delay": "10"}, "delay .*must be seconds or a timedelta, got str"),
+    ({"delay": True}, "delay .*must be seconds or a timedelta, got bool"),
+    ({"timeout": "5"}, "timeout .*must be seconds or a timedelta, got str"),
+    ({"timeout": math.nan}, "timeout .*must be a finite number of seconds"),
+    ({"delay": 5, "scheduled_for": datetime(2030, 1, 1, tzinfo=UTC)},
+     "takes scheduled_for or delay, not both"),
 ])
 def test_wrong_argument_types_name_the_argument(
     client: flowly.Client, options: dict[str, Any], problem: str

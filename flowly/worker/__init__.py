@@ -49,7 +49,7 @@ from ..context import (
     serialise_output,
 )
 from ..db import Calls, is_connection_failure, is_contention, translated_errors
-from ..errors import LeaseLost, WorkflowCodeError
+from ..errors import InvalidArgument, LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
 from ..render import one_line
 from ..replay import ReplayLog, StoredStep
@@ -164,7 +164,10 @@ class _RunStore:
         self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
         defaults: Workflow | None, record: str, position: int,
     ) -> str:
-        params = start_params(workflow, input, run_id, options, defaults)
+        try:
+            params = start_params(workflow, input, run_id, options, defaults)
+        except InvalidArgument as exc:  # the body's own values: every attempt passes them again
+            raise WorkflowCodeError(str(exc)) from None
         params["parent_run_id"] = self._held.run_id
         params["parent_lease_epoch"] = self._held.epoch
         params["parent_step"] = record
