@@ -42,6 +42,14 @@ def int4(what: str, value: Any) -> int:
     return value
 
 
+def at_least(what: str, value: Any, least: int) -> int:
+    """``value`` if it is an integer of ``least`` or more."""
+    checked = int4(what, value)
+    if checked < least:
+        raise InvalidArgument(f"{what} must be at least {least}, got {value}")
+    return checked
+
+
 def limit(value: Any) -> int:
     """A listing's ``limit``: how many rows at most, zero or more."""
     checked = int4("limit", value)
@@ -86,7 +94,7 @@ def statuses(what: str, value: str | Collection[str] | None, allowed: Collection
     return tuple(given)
 
 
-def _timedelta(what: str, value: Any) -> timedelta:
+def duration(what: str, value: Any) -> timedelta:
     """``value``, seconds or a timedelta, as a timedelta."""
     if isinstance(value, timedelta):
         return value
@@ -103,7 +111,7 @@ def _timedelta(what: str, value: Any) -> timedelta:
 
 def age(what: str, value: Any) -> timedelta:
     """An age given as seconds or a timedelta, zero or more."""
-    result = _timedelta(what, value)
+    result = duration(what, value)
     if result < timedelta(0):
         raise InvalidArgument(f"{what} must be zero or more, got {value}")
     return result
@@ -112,7 +120,7 @@ def age(what: str, value: Any) -> timedelta:
 def time_ahead(what: str, value: Any) -> timedelta:
     """``value``, seconds or a timedelta from now, if now plus it stays a readable time
     (before the year 10000; a negative value is a time already past)."""
-    delta = _timedelta(what, value)
+    delta = duration(what, value)
     try:
         datetime.now(UTC) + delta
     except OverflowError:
@@ -136,5 +144,6 @@ def aware_time(what: str, value: Any) -> datetime:
     return value
 
 
-__all__ = ["STATUSES", "age", "aware_time", "int4", "limit", "optional_text", "seconds",
-           "seconds_ahead", "status", "statuses", "text", "time_ahead"]
+__all__ = ["STATUSES", "age", "at_least", "aware_time", "duration", "int4", "limit",
+           "optional_text", "seconds", "seconds_ahead", "status", "statuses", "text",
+           "time_ahead"]

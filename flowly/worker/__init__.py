@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from .. import arguments
 from ..bounded_calls import end_tasks, on_daemon_thread, within
 from ..branches import enter_body
 from ..context import (
@@ -98,8 +98,22 @@ _FIRST_LEASE_MARGIN = 0.5
 __all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "Worker"]
 
 
-def _seconds(value: float | timedelta) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+def _seconds(what: str, value: Any, *, zero: bool = False) -> float:
+    """An option given as seconds or a timedelta, in seconds: positive (or ``zero``)."""
+    seconds = arguments.duration(what, value).total_seconds()
+    if seconds < 0 or (seconds == 0 and not zero):
+        least = "zero or more" if zero else "a positive number of"
+        raise InvalidArgument(f"{what} must be {least} seconds, got {value}")
+    return seconds
+
+
+def _queues(queues: Iterable[str] | str) -> list[str]:
+    """The queues a worker serves: one queue alone (not in a list) is that queue, not the
+    letters of its name."""
+    given = [queues] if isinstance(queues, str) else list(queues)
+    if not given:
+        raise InvalidArgument("a worker needs at least one queue to serve")
+    return list(dict.fromkeys(arguments.text("queue", queue) for queue in given))
 
 
 @dataclass
@@ -254,38 +268,27 @@ class Worker:
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
         purge_after: float | timedelta | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        if max_connections < 2:
-            raise ValueError(f"max_connections must be at least 2, got {max_connections}")
         self.dsn = dsn
         self.workflows = resolve(workflows)
         if not self.workflows:
             raise ValueError("a worker needs at least one registered workflow")
-        self.queues = list(queues)
-        self.concurrency = concurrency
-        self.lease = _seconds(lease)
-        self.poll_interval = _seconds(poll_interval)
-        self.drain_timeout = _seconds(drain_timeout)
-        for name, value in (("lease", self.lease), ("poll_interval", self.poll_interval)):
-            if not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        self.queues = _queues(queues)
+        self.concurrency = arguments.at_least("concurrency", concurrency, 1)
+        self.lease = _seconds("lease", lease)
+        self.poll_interval = _seconds("poll_interval", poll_interval)
+        self.drain_timeout = _seconds("drain_timeout", drain_timeout, zero=True)
         if self.lease > MAX_LEASE:
-            raise ValueError(f"lease must be at most {MAX_LEASE:g} seconds (a day), got"
+            raise InvalidArgument(f"lease must be at most {MAX_LEASE:g} seconds (a day), got"
                              f" {self.lease:g}")
-        if not 0 <= self.drain_timeout < math.inf:
-            raise ValueError(f"drain_timeout must be zero or more seconds, got"
-                             f" {self.drain_timeout}")
-        self.max_connections = max_connections
+        self.max_connections = arguments.at_least("max_connections", max_connections, 2)
         self.default_retry = default_retry or Retry()
         self.install_schema = install_schema
-        if max_output_bytes < 1:
-            raise ValueError(f"max_output_bytes must be positive, got {max_output_bytes}")
-        self.max_output_bytes = max_output_bytes
-        self.purge_after = None if purge_after is None else _seconds(purge_after)
+        self.max_output_bytes = arguments.at_least("max_output_bytes", max_output_bytes, 1)
+        self.purge_after = None if purge_after is None else _seconds(
+            "purge_after", purge_after, zero=True)
         if worker_id is not None and not (isinstance(worker_id, str) and worker_id.strip()
                                           and "\x00" not in worker_id):
-            raise ValueError(f"worker_id must be a non-empty text, got {worker_id!r}")
+            raise InvalidArgument(f"worker_id must be a non-empty text, got {worker_id!r}")
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}

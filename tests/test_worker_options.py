@@ -1,0 +1,46 @@
+"""Worker options are checked when the Worker is made, each bad one named (InvalidArgument,
+a ValueError): before, ``queues="urgent"`` served the queues u, r, g, e, n and t, ``queues=[]``
+served nothing for ever, ``concurrency=2.5`` and ``lease="30"`` passed, and a
+``purge_after`` of NaN made the worker's periodic purge raise in its maintenance loop."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import flowly
+from tests import workflows  # noqa: F401  (registers the test workflows)
+from tests.support import running_worker
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"queues": []}, "at least one queue"),
+    ({"queues": [5]}, "queue must be a string, got int"),
+    ({"queues": ["a\x00"]}, "queue must not contain the NUL"),
+    ({"concurrency": 2.5}, "concurrency must be an integer, got float"),
+    ({"concurrency": 0}, "concurrency must be at least 1"),
+    ({"max_connections": 1}, "max_connections must be at least 2"),
+    ({"max_output_bytes": 1e6}, "max_output_bytes must be an integer"),
+    ({"lease": "30"}, "lease must be seconds or a timedelta, got str"),
+    ({"lease": math.inf}, "lease must be a finite number of seconds"),
+    ({"lease": timedelta(days=2)}, "lease must be at most 86400 seconds"),
+    ({"poll_interval": 0}, "poll_interval must be a positive number of seconds"),
+    ({"drain_timeout": -1}, "drain_timeout must be zero or more seconds"),
+    ({"purge_after": math.nan}, "purge_after must be a finite number of seconds"),
+    ({"purge_after": -5}, "purge_after must be zero or more seconds"),
+    ({"purge_after": "7d"}, "purge_after must be seconds or a timedelta"),
+])
+def test_a_bad_worker_option_is_refused_naming_it(options: dict[str, Any], message: str
+                                                  ) -> None:
+    with pytest.raises(flowly.InvalidArgument, match=message):
+        flowly.Worker("postgresql://unused/unused", workflows=["quick"], **options)
+
+
+def test_one_queue_given_alone_is_that_queue(dsn: str, client: flowly.Client) -> None:
+    run_id = client.start("quick", 1, queue="urgent")
+    with running_worker(dsn, workflows=["quick"], queues="urgent") as worker:
+        assert worker.queues == ["urgent"]
+        assert client.wait(run_id, timeout=30).status == "completed"
