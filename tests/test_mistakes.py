@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 import flowly
+from flowly.workflow import registered
 from tests.support import running_worker, scalar
 
 
@@ -96,3 +97,28 @@ def test_a_value_every_attempt_would_pass_again_fails_the_run_at_once_naming_it(
     assert run.attempt == 1, "retried a run that could never succeed"
     assert (run.error["type"], message) == ("WorkflowCodeError", message)
     assert re.search(message, run.error["message"]), run.error["message"]
+
+
+async def _body(ctx: flowly.Context, inp: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize(("decorate", "error", "message"), [
+    (lambda: flowly.workflow(_body), TypeError,  # type: ignore[arg-type]
+     r'write @flowly.workflow\("name"\)'),
+    (lambda: flowly.workflow(5)(_body), flowly.InvalidArgument,  # type: ignore[arg-type]
+     "workflow name must be a string"),
+    (lambda: flowly.workflow("w", queue=5)(_body), flowly.InvalidArgument,  # type: ignore[arg-type]
+     "queue of workflow 'w' must be a string"),
+    (lambda: flowly.workflow("w", max_attempts=0)(_body), flowly.InvalidArgument,
+     "max_attempts of workflow 'w' must be at least 1"),
+])
+def test_a_bad_registration_fails_where_it_is_written(
+    decorate: Any, error: type[Exception], message: str
+) -> None:
+    """Before, a bare @flowly.workflow replaced the function by the decorator's closure, and
+    the other three registered a workflow every start of which failed (or, for max_attempts
+    0, was refused by the database) far from the mistake."""
+    with pytest.raises(error, match=message):
+        decorate()
+    assert "w" not in registered()
