@@ -108,9 +108,11 @@ def test_durable_sleep_survives_a_restart_and_wakes_on_time(
     with worker_process(dsn) as first:
         wake_at = wait_for(lambda: scalar(db, "select wake_at from flowly.timers"
                                               " where run_id = %s", run_id), what="timer")
+        # released while it sleeps: the timer is stored first and the run released by a
+        # second call (a worker killed between the two: tests/test_children_attack.py)
+        wait_for(lambda: client.get(run_id).status == "pending", what="the run released")
         first.signal(signal.SIGKILL)
         first.proc.wait(10)
-    assert client.get(run_id).status == "pending"  # released while it sleeps
     time.sleep(1)
     with worker_process(dsn) as second:  # a restarted worker must not restart the nap
         run = client.wait(run_id, timeout=30)
