@@ -132,6 +132,18 @@ def _code_checked(check: Callable[[str, Any], T], what: str, value: Any) -> T:
         raise WorkflowCodeError(str(exc)) from None
 
 
+def _check_step(what: str, fn: Any, compensate: Any, retry: Any) -> None:
+    """A step's function, compensation and retry policy as the body gave them: each is
+    used only later (a policy once the step fails, a compensation in the saga), where a
+    wrong one would fail far from the mistake."""
+    if not callable(fn):
+        raise WorkflowCodeError(f"{what}: the function must be callable, got {fn!r}")
+    if compensate is not None and not callable(compensate):
+        raise WorkflowCodeError(f"{what}: compensate must be callable, got {compensate!r}")
+    if retry is not None and not isinstance(retry, Retry):
+        raise WorkflowCodeError(f"{what}: retry must be a flowly.Retry, got {retry!r}")
+
+
 # names key a btree index (run id, name), whose entries must stay under about 2.7 kB; the
 # database enforces the same limit (max_name_bytes())
 _MAX_NAME_BYTES = 1000
@@ -369,14 +381,15 @@ class Context:
     def _claim_name(self, name: str) -> int:
         """Reserve ``name`` for this execution; returns its position in the body."""
         if not isinstance(name, str) or not name:
-            raise ValueError(f"step and sleep names must be non-empty strings, got {name!r}")
+            raise WorkflowCodeError(
+                f"step and sleep names must be non-empty strings, got {name!r}")
         try:
             size: int | None = len(name.encode("utf-8"))
         except UnicodeEncodeError:  # an unpaired surrogate
             size = None
         if size is None or size > _MAX_NAME_BYTES or "\x00" in name:
-            raise ValueError(f"step or sleep name {name[:80]!r} must be text of at most"
-                             f" {_MAX_NAME_BYTES} bytes with no NUL character")
+            raise WorkflowCodeError(f"step or sleep name {name[:80]!r} must be text of at"
+                                    f" most {_MAX_NAME_BYTES} bytes with no NUL character")
         if name in self._names_used:
             raise WorkflowCodeError(
                 f"name {name!r} is used twice in run {self.run_id}: every step and sleep of a"
@@ -415,6 +428,7 @@ class Context:
         Steps running in parallel (``asyncio.gather``) when one fails are waited for first,
         so every step that completed is checkpointed, and compensated, before the saga.
         """
+        _check_step(f"step {name!r}", fn, compensate, retry)
         return self._track(f"step {name!r}", self._step(name, fn, args, compensate, retry))
 
     async def _step(
@@ -452,6 +466,7 @@ class Context:
         if isolation is not None and isolation not in ISOLATION_LEVELS:
             raise WorkflowCodeError(f"transaction {name!r}: isolation must be one of"
                                     f" {', '.join(ISOLATION_LEVELS)}, got {isolation!r}")
+        _check_step(f"transaction {name!r}", fn, compensate, retry)
         return self._track(f"transaction {name!r}",
                            self._transaction(name, fn, args, isolation, compensate, retry))
 
@@ -566,8 +581,7 @@ class Context:
 
     def sleep_until(self, name: str, when: datetime) -> Awaitable[None]:
         """Sleep durably until ``when`` (a timezone-aware datetime)."""
-        if when.tzinfo is None:
-            raise ValueError(f"sleep_until {name!r}: 'when' must be timezone-aware")
+        _code_checked(arguments.aware_time, f"sleep_until {name!r}: 'when'", when)
         return self._track(f"sleep {name!r}", self._sleep(name, when, None))
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
@@ -677,6 +691,7 @@ class Context:
         """The output of run ``run_id`` once it completed; raises :class:`flowly.ChildFailed`
         if it ended ``dead_letter`` or ``cancelled``. The run holds no worker while it waits
         and wakes when the other run finishes. The outcome is recorded once."""
+        _code_checked(arguments.text, "the run_id waited for", run_id)
         return self._track(f"wait for run {run_id!r}", self._wait_for_run(
             run_id, self._wait_record("run", run_id)))
 

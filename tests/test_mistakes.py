@@ -60,7 +60,19 @@ _ODD_CALLS: dict[str, Any] = {
     "sleep text": lambda ctx: ctx.sleep("nap", "10"),
     "start naive time": lambda ctx: ctx.start("quick", scheduled_for=datetime(2030, 1, 1)),
     "start delay text": lambda ctx: ctx.start("quick", delay="10"),
+    "step not callable": lambda ctx: ctx.step("s", 42),
+    "step retry int": lambda ctx: ctx.step("s", _fails, retry=3),
+    "step compensate text": lambda ctx: ctx.step("s", lambda: 1, compensate="undo"),
+    "transaction retry int": lambda ctx: ctx.transaction("t", lambda conn: 1, retry=3),
+    "step name NUL": lambda ctx: ctx.step("a\x00", lambda: 1),
+    "sleep_until naive": lambda ctx: ctx.sleep_until("n", datetime(2030, 1, 1)),
+    "sleep_until text": lambda ctx: ctx.sleep_until("n", "2030-01-01"),
+    "wait_for_run int": lambda ctx: ctx.wait_for_run(5),
 }
+
+
+def _fails() -> None:
+    raise RuntimeError("a step that fails, so that its retry policy is read")
 
 
 @flowly.workflow("odd_call")
@@ -84,6 +96,14 @@ async def odd_call(ctx: flowly.Context, inp: str) -> Any:
     ("sleep text", "sleep 'nap' must be seconds or a timedelta, got str"),
     ("start naive time", "scheduled_for of a 'quick' run must be timezone-aware"),
     ("start delay text", "delay of a 'quick' run must be seconds or a timedelta"),
+    ("step not callable", "step 's': the function must be callable, got 42"),
+    ("step retry int", "step 's': retry must be a flowly.Retry, got 3"),
+    ("step compensate text", "step 's': compensate must be callable"),
+    ("transaction retry int", "transaction 't': retry must be a flowly.Retry"),
+    ("step name NUL", "must be text of at most 1000 bytes with no NUL"),
+    ("sleep_until naive", "sleep_until 'n': 'when' must be timezone-aware"),
+    ("sleep_until text", "sleep_until 'n': 'when' must be a datetime, got str"),
+    ("wait_for_run int", "the run_id waited for must be a string, got int"),
 ])
 def test_a_value_every_attempt_would_pass_again_fails_the_run_at_once_naming_it(
     dsn: str, client: flowly.Client, case: str, message: str
