@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import arguments
-from .arguments import aware_time, int4, optional_text, time_ahead
+from .arguments import at_least, aware_time, int4, optional_text, text, time_ahead
 from .db import dumps_argument
 from .errors import InvalidArgument, UnknownWorkflow
 
@@ -57,10 +56,10 @@ def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Cal
         raise TypeError("@flowly.workflow needs the workflow's name: write"
                         " @flowly.workflow(\"name\") (runs in the database refer to it by name,"
                         " so it must not change with the function's)")
-    if not arguments.text("workflow name", name):
+    if not text("workflow name", name):
         raise InvalidArgument("workflow name must not be empty")
-    arguments.text(f"queue of workflow {name!r}", queue)
-    arguments.at_least(f"max_attempts of workflow {name!r}", max_attempts, 1)
+    text(f"queue of workflow {name!r}", queue)
+    at_least(f"max_attempts of workflow {name!r}", max_attempts, 1)
 
     def register(fn: F) -> F:
         if not is_async(fn):

@@ -278,8 +278,8 @@ class Worker:
         self.poll_interval = _seconds("poll_interval", poll_interval)
         self.drain_timeout = _seconds("drain_timeout", drain_timeout, zero=True)
         if self.lease > MAX_LEASE:
-            raise InvalidArgument(f"lease must be at most {MAX_LEASE:g} seconds (a day), got"
-                             f" {self.lease:g}")
+            raise InvalidArgument(f"lease must be at most {MAX_LEASE:g} seconds (a day),"
+                                  f" got {self.lease:g}")
         self.max_connections = arguments.at_least("max_connections", max_connections, 2)
         self.default_retry = default_retry or Retry()
         self.install_schema = install_schema
