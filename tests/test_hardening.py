@@ -189,14 +189,16 @@ def test_a_run_locked_by_an_open_transaction_delays_only_itself(
     other runs keep their leases (never taken over, never re-executed); the locked run waits,
     is taken over once the lock is gone, and that takeover is no poison evidence (the worker
     was alive)."""
-    runs = [client.start("slow", {"seconds": 3}) for _ in range(5)]
+    # a lease of 2 s: with 1 s, a loaded machine (the heartbeat starved of CPU) let the healthy
+    # runs' leases lapse after the lock was gone, and the worker took them over from itself
+    runs = [client.start("slow", {"seconds": 7}) for _ in range(5)]
     locked, others = runs[0], runs[1:]
-    with running_worker(dsn, lease=1.0, concurrency=8):
+    with running_worker(dsn, lease=2.0, concurrency=8):
         wait_for(lambda: scalar(db, "select count(*) = 5 from flowly.runs"
                                     " where status = 'running'"), what="all five running")
         with psycopg.connect(dsn) as operator:
             operator.execute("select * from flowly.runs where id = %s for update", (locked,))
-            time.sleep(2.5)  # 2.5 leases
+            time.sleep(5)  # 2.5 leases
             for run_id in others:
                 assert scalar(db, "select locked_until > now() from flowly.runs where id = %s",
                               run_id), "a healthy run's lease lapsed"
