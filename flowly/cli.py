@@ -252,6 +252,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         worker = worker_from_args(args)
+    except InvalidArgument as exc:  # an option's value, named as the worker names it
+        raise CliError(str(exc), EXIT_USAGE) from exc
     except (ValueError, UnknownWorkflow) as exc:
         raise CliError(f"--app {args.app}: {exc}", EXIT_USAGE) from exc
     asyncio.run(worker.run())

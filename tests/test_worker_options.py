@@ -14,11 +14,14 @@ import pytest
 import flowly
 from tests import workflows  # noqa: F401  (registers the test workflows)
 from tests.support import running_worker
+from tests.test_cli import flowly as flowly_cli
+from tests.test_cli import one_error_line
 
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"queues": []}, "at least one queue"),
     ({"queues": [5]}, "queue must be a string, got int"),
+    ({"queues": ["default", ""]}, "queue must be a non-empty text"),
     ({"queues": ["a\x00"]}, "queue must not contain the NUL"),
     ({"concurrency": 2.5}, "concurrency must be an integer, got float"),
     ({"concurrency": 0}, "concurrency must be at least 1"),
@@ -37,6 +40,14 @@ def test_a_bad_worker_option_is_refused_naming_it(options: dict[str, Any], messa
                                                   ) -> None:
     with pytest.raises(flowly.InvalidArgument, match=message):
         flowly.Worker("postgresql://unused/unused", workflows=["quick"], **options)
+
+
+def test_the_worker_command_names_a_bad_option_without_blaming_the_app(dsn: str) -> None:
+    for option, message in ((["--queue", ""], "error: queue must be a non-empty text"),
+                            (["--concurrency", "0"], "error: concurrency must be at least 1")):
+        result = flowly_cli("worker", "--app", "examples.order", *option, dsn=dsn, timeout=30)
+        one_error_line(result, 2)
+        assert result.stderr.strip().startswith(message), result.stderr
 
 
 def test_one_queue_given_alone_is_that_queue(dsn: str, client: flowly.Client) -> None:

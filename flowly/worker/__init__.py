@@ -113,7 +113,10 @@ def _queues(queues: Iterable[str] | str) -> list[str]:
     given = [queues] if isinstance(queues, str) else list(queues)
     if not given:
         raise InvalidArgument("a worker needs at least one queue to serve")
-    return list(dict.fromkeys(arguments.text("queue", queue) for queue in given))
+    for queue in given:
+        if not arguments.text("queue", queue):
+            raise InvalidArgument("queue must be a non-empty text")
+    return list(dict.fromkeys(given))
 
 
 @dataclass
