@@ -35,6 +35,9 @@ def check_schema_name(schema: str) -> str:
     the psql meta-command that ``install --print-sql`` writes the name into) are refused
     with a message naming the problem.
     """
+    if not isinstance(schema, str):
+        raise SchemaError(f"schema name must be a string, got {type(schema).__name__}"
+                          f" {schema!r}")
     if not schema:
         raise SchemaError("schema name must not be empty")
     if len(schema.encode()) > _MAX_IDENTIFIER_BYTES:

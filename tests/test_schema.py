@@ -326,8 +326,9 @@ def test_injection_in_psql_schema_variable_is_harmless(empty_dsn: str) -> None:
     ("s" * 64, "63 bytes"),
     ("é" * 32, "63 bytes"),  # 32 characters, but 64 bytes in UTF-8
     ("pg_foo", "pg_"),
+    (5, "must be a string, got int"),  # was an AttributeError
 ])
-def test_unusable_schema_names_are_refused(empty_dsn: str, schema: str, problem: str) -> None:
+def test_unusable_schema_names_are_refused(empty_dsn: str, schema: Any, problem: str) -> None:
     """Empty names, names Postgres would truncate (over 63 bytes) and the reserved ``pg_``
     prefix raise SchemaError naming the problem, before anything is created."""
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
