@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from .arguments import at_least, duration
+from .errors import InvalidArgument
+
 Backoff = Literal["fixed", "linear", "exponential"]
 
 # the longest delay between two attempts, as the engine's backoff_delay allows
@@ -36,17 +39,18 @@ class Retry:
     max_delay: float | timedelta = 300.0
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"Retry.max_attempts must be at least 1, got {self.max_attempts}")
+        # the database's integer: a count past it failed the step's failure write itself
+        at_least("Retry.max_attempts", self.max_attempts, 1)
         if self.backoff not in ("fixed", "linear", "exponential"):
-            raise ValueError(
+            raise InvalidArgument(
                 f"Retry.backoff must be 'fixed', 'linear' or 'exponential', got {self.backoff!r}"
             )
-        for name, seconds in (("initial_delay", self.initial_delay_seconds),
-                              ("max_delay", self.max_delay_seconds)):
+        for name, value in (("initial_delay", self.initial_delay),
+                            ("max_delay", self.max_delay)):
+            seconds = duration(f"Retry.{name}", value).total_seconds()
             if not 0 <= seconds <= MAX_RETRY_DELAY:
-                raise ValueError(f"Retry.{name} must be from 0 to {MAX_RETRY_DELAY:g} seconds"
-                                 f" (a year), got {seconds}")
+                raise InvalidArgument(f"Retry.{name} must be from 0 to {MAX_RETRY_DELAY:g}"
+                                      f" seconds (a year), got {seconds}")
 
     @property
     def initial_delay_seconds(self) -> float:

@@ -142,3 +142,18 @@ def test_a_bad_registration_fails_where_it_is_written(
     with pytest.raises(error, match=message):
         decorate()
     assert "w" not in registered()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_attempts": "3"}, "Retry.max_attempts must be an integer, got str"),  # TypeError
+    ({"max_attempts": True}, "Retry.max_attempts must be an integer, got bool"),
+    # past the database's integer: the step's failure write itself failed
+    ({"max_attempts": 2**40}, "Retry.max_attempts is out of range"),
+    ({"initial_delay": "5"}, "Retry.initial_delay must be seconds or a timedelta, got str"),
+    ({"initial_delay": True}, "Retry.initial_delay must be seconds or a timedelta, got bool"),
+    ({"max_delay": math.nan}, "Retry.max_delay must be a finite number of seconds"),
+])
+def test_a_bad_retry_policy_is_refused_where_it_is_written(options: dict[str, Any],
+                                                           message: str) -> None:
+    with pytest.raises(flowly.InvalidArgument, match=message):
+        flowly.Retry(**options)
