@@ -123,11 +123,11 @@ class RunStore(Protocol):
         lease): a step must not start under a lease another worker may hold by now."""
 
 
-def _code_checked(check: Callable[[str, Any], T], what: str, value: Any) -> T:
-    """``check(what, value)``: a value it refuses is a mistake of the workflow's code, which
-    every attempt would make again."""
+def code_checked(check: Callable[..., T], *args: Any) -> T:
+    """``check(*args)`` on values the workflow's code gave: a value it refuses is a mistake of
+    that code, which every attempt would make again (WorkflowCodeError, no retry)."""
     try:
-        return check(what, value)
+        return check(*args)
     except InvalidArgument as exc:
         raise WorkflowCodeError(str(exc)) from None
 
@@ -576,12 +576,12 @@ class Context:
         The wake time is stored once; the run is released while it sleeps and resumes at
         that time, on any worker, even after restarts.
         """
-        delay = _code_checked(arguments.seconds_ahead, f"sleep {name!r}", seconds)
+        delay = code_checked(arguments.seconds_ahead, f"sleep {name!r}", seconds)
         return self._track(f"sleep {name!r}", self._sleep(name, None, delay))
 
     def sleep_until(self, name: str, when: datetime) -> Awaitable[None]:
         """Sleep durably until ``when`` (a timezone-aware datetime)."""
-        _code_checked(arguments.aware_time, f"sleep_until {name!r}: 'when'", when)
+        code_checked(arguments.aware_time, f"sleep_until {name!r}: 'when'", when)
         return self._track(f"sleep {name!r}", self._sleep(name, when, None))
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
@@ -671,8 +671,8 @@ class Context:
         ``timeout`` (measured from the first time the wait is reached) it raises
         :class:`flowly.EventTimeout`. The outcome is recorded, so a replay sees the same.
         """
-        _code_checked(arguments.text, "event name", name)
-        seconds = None if timeout is None else _code_checked(
+        code_checked(arguments.text, "event name", name)
+        seconds = None if timeout is None else code_checked(
             arguments.seconds_ahead, f"timeout of wait for event {name!r}", timeout)
         return self._track(f"wait for event {name!r}", self._wait_for_event(
             name, seconds, self._wait_record("event", name)))
@@ -691,7 +691,7 @@ class Context:
         """The output of run ``run_id`` once it completed; raises :class:`flowly.ChildFailed`
         if it ended ``dead_letter`` or ``cancelled``. The run holds no worker while it waits
         and wakes when the other run finishes. The outcome is recorded once."""
-        _code_checked(arguments.text, "the run_id waited for", run_id)
+        code_checked(arguments.text, "the run_id waited for", run_id)
         return self._track(f"wait for run {run_id!r}", self._wait_for_run(
             run_id, self._wait_record("run", run_id)))
 

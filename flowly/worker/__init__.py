@@ -44,6 +44,7 @@ from ..context import (
     WaitInterrupt,
     call_user_function,
     cancel_requested,
+    code_checked,
     error_info,
     run_write,
     serialise_output,
@@ -181,10 +182,7 @@ class _RunStore:
         self, workflow: str, input: Any, run_id: str, options: dict[str, Any],
         defaults: Workflow | None, record: str, position: int,
     ) -> str:
-        try:
-            params = start_params(workflow, input, run_id, options, defaults)
-        except InvalidArgument as exc:  # the body's own values: every attempt passes them again
-            raise WorkflowCodeError(str(exc)) from None
+        params = code_checked(start_params, workflow, input, run_id, options, defaults)
         params["parent_run_id"] = self._held.run_id
         params["parent_lease_epoch"] = self._held.epoch
         params["parent_step"] = record
