@@ -338,6 +338,12 @@ select not exists (select from schema_migrations where version = 51) as apply_mi
     insert into schema_migrations (version, name) values (51, '0051_bounds_of_hand_calls');
 \endif
 
+select not exists (select from schema_migrations where version = 52) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0052_cron_next_within_readable_times.sql
+    insert into schema_migrations (version, name) values (52, '0052_cron_next_within_readable_times');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

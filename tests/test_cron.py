@@ -392,3 +392,34 @@ def test_cron_next_from_python(dsn: str) -> None:
             client.cron_next("0 25 * * *")
         with pytest.raises(flowly.InvalidArgument, match="time zone"):
             client.cron_next("0 1 * * *", timezone="Nowhere/Land")
+
+
+def test_no_fire_time_past_the_year_9999_and_no_search_before_the_year_1(
+        db: psycopg.Connection[Any], dsn: str) -> None:
+    """A fire time at or past the year 10000 is null, as for an expression that fires no
+    more (it was returned, and no client could read it); an ``after`` before the year 1 is
+    refused naming it (it found fire times there)."""
+    def sql_next(cron: str, after: str, zone: str = "UTC") -> datetime | None:
+        row = db.execute("select flowly.cron_next(%s, %s::timestamptz, %s)",
+                         (cron, after, zone)).fetchone()
+        assert row is not None
+        return row[0]  # type: ignore[no-any-return]
+
+    assert sql_next("* * * * *", "9999-12-31 23:59:30+00") is None
+    assert sql_next("0 0 1 1 *", "9999-06-01 00:00+00") is None
+    # the instant decides, not the zone's calendar: noon of 10000-01-01 at +14 is readable
+    assert sql_next("0 12 * * *", "9999-12-31 13:00+00", "Pacific/Kiritimati") == datetime(
+        9999, 12, 31, 22, tzinfo=UTC)
+    assert sql_next("0 23 * * *", "9999-12-31 10:00+00", "Pacific/Kiritimati") is None
+    assert sql_next("59 23 31 12 *", "9999-12-30 00:00+00") == datetime(
+        9999, 12, 31, 23, 59, tzinfo=UTC)
+    for after in ("0001-01-01 00:00:00+00 BC", "4000-06-01 00:00+00 BC"):
+        with pytest.raises(psycopg.Error) as caught:
+            sql_next("0 0 * * *", after)
+        assert caught.value.sqlstate == "WF003"
+        assert "after" in str(caught.value.diag.message_primary)
+    with flowly.Client(dsn) as client:
+        assert client.cron_next("* * * * *", datetime(9999, 12, 31, 23, 59, 30, tzinfo=UTC)) \
+            is None
+        assert client.cron_next("0 0 * * *", datetime(1, 1, 2, tzinfo=UTC)) == datetime(
+            1, 1, 3, tzinfo=UTC)
