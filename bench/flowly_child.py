@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 
 import flowly
 from bench import workloads  # noqa: F401  (registers the workflows)
@@ -21,7 +22,16 @@ async def serve(args: argparse.Namespace) -> None:
                            poll_interval=args.poll_interval, install_schema=False)
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()
-    stop = loop.run_in_executor(None, sys.stdin.readline)
+    stop: asyncio.Future[str] = loop.create_future()
+
+    def read_stop() -> None:
+        line = sys.stdin.readline()
+        loop.call_soon_threadsafe(stop.set_result, line)
+
+    # a daemon thread, not the loop's executor: asyncio.run waits for its executor's threads,
+    # so a worker that failed (a schema it refuses, say) hung until stdin said stop, and the
+    # failure was not printed until then
+    threading.Thread(target=read_stop, daemon=True).start()
     done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
         task.result()  # a worker that died says why
