@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
@@ -112,6 +113,38 @@ def test_retrying_a_run_that_failed_on_an_event_timeout_waits_for_the_event_agai
     assert (run.status, run.output) == ("completed", ["no early event", {"by": "ops"}]), run
     assert [(s.name, s.output) for s in client.steps(run_id)] == [
         ("event:early", {"timeout": True}), ("event:approval", {"payload": {"by": "ops"}})]
+
+
+@flowly.workflow("tw_gathered_approvals", max_attempts=1)
+async def tw_gathered_approvals(ctx: flowly.Context, timeout: float) -> Any:
+    """Three approvals waited for at once."""
+    return list(await asyncio.gather(*(ctx.wait_for_event(name, timeout=timeout)
+                                       for name in ("legal", "finance", "security"))))
+
+
+def test_retrying_a_run_whose_gathered_event_waits_timed_out_waits_for_all_of_them_again(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """Three event waits gathered, all past their timeout when the run is replayed, so three
+    timeouts are recorded and the run dead-letters on EventTimeout. The retry asked only the
+    last recorded wait again: the others replayed their timeouts, so the run failed at once
+    with the approvals sent, retry after retry. Every wait made beside the last one is asked
+    again."""
+    run_id = client.start("tw_gathered_approvals", 1)
+    with running_worker(dsn, workflows=[tw_gathered_approvals]):
+        wait_for(lambda: _parked(db, run_id), what="parked on three waits")
+        assert scalar(db, "select count(*) from flowly.waits where run_id = %s", run_id) == 3
+    time.sleep(1.5)  # every deadline passes while no worker runs
+    with running_worker(dsn, workflows=[tw_gathered_approvals]):
+        run = client.wait(run_id, timeout=20)
+        assert (run.status, run.error and run.error["type"]) == ("dead_letter", "EventTimeout")
+        timed_out = [s.name for s in client.steps(run_id) if s.output == {"timeout": True}]
+        assert len(timed_out) >= 2, timed_out  # the case: more than one timeout recorded
+        client.retry_dead_letter(run_id)
+        for name, payload in (("legal", "ok"), ("finance", 100), ("security", {"by": "ops"})):
+            client.send_event(run_id, name, payload)
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", ["ok", 100, {"by": "ops"}]), run
 
 
 def test_fan_out_and_in_with_one_failing_child(
