@@ -223,6 +223,7 @@ class Calls:
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
         self.fold_run_counts = q("select {s}.fold_run_counts()")
         self.release = q("select {s}.release(%s, %s)")
+        self.release_missed_handoffs = q("select {s}.release_missed_handoffs(%s, %s)")
         # the group-committed batches go in binary: psycopg dumps a long text array
         # element by element with a regex test for quoting, a tenth of the time in binary
         self.checkpoint_steps = q(

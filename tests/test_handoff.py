@@ -108,6 +108,31 @@ def test_a_frozen_worker_that_was_handed_a_run_cannot_write_it_once_another_took
                       (run_id,)).fetchall() == checkpoints
 
 
+def test_a_run_handed_off_while_the_worker_s_listener_was_down_starts_once_it_is_back(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """start hands a run to an idle worker whose LISTEN connection has just been cut: the
+    NOTIFY reaches nobody. The run, leased to that worker, waited for its first lease to lapse
+    and then for the worker's next poll (30 s here). The worker now releases the runs handed
+    to it that it does not hold as soon as it listens again, and claims them at once."""
+    with worker_process(dsn, "--lease", "30", "--poll-interval", "30") as deaf:
+        channel = wait_for(lambda: scalar(db, "select channel from flowly.handoff_slots"),
+                           what="an idle slot offered")
+        deaf.signal(signal.SIGSTOP)  # so that it cannot withdraw its offer meanwhile
+        # the listener: its last statement was its LISTEN, or the release that follows it
+        assert scalar(db, "select count(pg_terminate_backend(pid)) from pg_stat_activity"
+                          " where query ilike any(%s)",
+                      [f"listen%{channel}%", "%release_missed_handoffs%"]) == 1
+        run_id = client.start("three_steps", {"step_seconds": 0})
+        assert handed_off(db, run_id)
+        deaf.signal(signal.SIGCONT)
+        run = client.wait(run_id, timeout=15)
+        said = deaf.stop()
+    assert run.status == "completed", said
+    assert [pid for _, pid in effects(db, run_id)] == [deaf.pid] * 3  # once, by that worker
+    # released (epoch 2), then claimed (3): the hand-off's epoch is fenced off
+    assert scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id) == 3
+
+
 def test_a_late_hand_off_whose_row_an_operator_holds_waits_for_a_claim(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
     """The worker cannot confirm a run read after its first lease while another transaction

@@ -300,6 +300,9 @@ class Worker:
         self._handoff_channel = f"flowly_handoff_{uuid.uuid4().hex}"
         # calls made for runs handed to this worker (confirming or releasing them)
         self._handoff_calls: set[asyncio.Task[None]] = set()
+        # the runs handed to it that it released when it last began to listen (0054): a
+        # notification of one read since is stale
+        self._released_handoffs: set[str] = set()
         # read while the worker offers slots: how much of a handed run's lease is left
         self._server_clock = ServerClock(every=self.lease)
         self._stopping = asyncio.Event()
@@ -579,6 +582,8 @@ class Worker:
         """Begin a run that start handed to this worker (see handoff.py), then claim again:
         that offers the next idle slot, if one is free."""
         handed = parse_handoff(payload)
+        if handed is not None and handed.run.run_id in self._released_handoffs:
+            handed = None  # released (and so claimable) since it was handed off
         if handed is None or not self._accept_handoff(handed):
             self._wakeup.set()
 
@@ -709,6 +714,7 @@ class Worker:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
                     await within(max(self.lease, 2.0), self._start_listening(conn))
+                    await within(max(self.lease, 2.0), self._release_missed_handoffs(conn))
                     backoff = 0.1
                     self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
@@ -738,6 +744,25 @@ class Worker:
         for channel in (wakeup[0], self._handoff_channel):
             await conn.execute(psycopg.sql.SQL("listen {}").format(
                 psycopg.sql.Identifier(channel)))
+
+    async def _release_missed_handoffs(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Release the runs handed to this worker that it does not hold: handed off while it
+        was not listening, their notification reached nobody (0054). Released, the claim that
+        the new listener wakes takes them at once, not once their first lease has lapsed."""
+        try:
+            cursor = await conn.execute(self._calls.release_missed_handoffs,
+                                        (self.worker_id, list(self._held)))
+            self._released_handoffs = {row[0] for row in await cursor.fetchall()}
+        except psycopg.Error as exc:
+            if is_connection_failure(exc):
+                raise
+            # they start once their first lease lapses, as before
+            logger.warning("could not release the runs handed to this worker while it was"
+                           " not listening: %s", exc)
+            return
+        if self._released_handoffs:
+            logger.info("released %d run(s) handed to this worker while it was not listening",
+                        len(self._released_handoffs))
 
     # -- leases -----------------------------------------------------------------------------
 
