@@ -714,7 +714,7 @@ class Worker:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
                     await within(max(self.lease, 2.0), self._start_listening(conn))
-                    await within(max(self.lease, 2.0), self._release_missed_handoffs(conn))
+                    await self._release_missed_handoffs()
                     backoff = 0.1
                     self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
@@ -745,21 +745,19 @@ class Worker:
             await conn.execute(psycopg.sql.SQL("listen {}").format(
                 psycopg.sql.Identifier(channel)))
 
-    async def _release_missed_handoffs(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def _release_missed_handoffs(self) -> None:
         """Release the runs handed to this worker that it does not hold: handed off while it
         was not listening, their notification reached nobody (0054). Released, the claim that
-        the new listener wakes takes them at once, not once their first lease has lapsed."""
+        the new listener wakes takes them at once, not once their first lease has lapsed.
+        Called once the listener listens, before it reads a notification."""
         try:
-            cursor = await conn.execute(self._calls.release_missed_handoffs,
-                                        (self.worker_id, list(self._held)))
-            self._released_handoffs = {row[0] for row in await cursor.fetchall()}
-        except psycopg.Error as exc:
-            if is_connection_failure(exc):
-                raise
-            # they start once their first lease lapses, as before
+            rows = await self._call(self._calls.release_missed_handoffs,
+                                    (self.worker_id, list(self._held)))
+        except Exception as exc:  # they start once their first lease lapses, as before
             logger.warning("could not release the runs handed to this worker while it was"
                            " not listening: %s", exc)
             return
+        self._released_handoffs = {row[0] for row in rows}
         if self._released_handoffs:
             logger.info("released %d run(s) handed to this worker while it was not listening",
                         len(self._released_handoffs))
