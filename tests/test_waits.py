@@ -130,11 +130,13 @@ def test_retrying_a_run_whose_gathered_event_waits_timed_out_waits_for_all_of_th
     last recorded wait again: the others replayed their timeouts, so the run failed at once
     with the approvals sent, retry after retry. Every wait made beside the last one is asked
     again."""
-    run_id = client.start("tw_gathered_approvals", 1)
+    # 3 s: the worker stops well before the first deadline, even on a loaded machine (woken
+    # at it, it would record that one timeout alone, the others a few ms short of theirs)
+    run_id = client.start("tw_gathered_approvals", 3)
     with running_worker(dsn, workflows=[tw_gathered_approvals]):
         wait_for(lambda: _parked(db, run_id), what="parked on three waits")
         assert scalar(db, "select count(*) from flowly.waits where run_id = %s", run_id) == 3
-    time.sleep(1.5)  # every deadline passes while no worker runs
+    time.sleep(3.5)  # every deadline passes while no worker runs
     with running_worker(dsn, workflows=[tw_gathered_approvals]):
         run = client.wait(run_id, timeout=20)
         assert (run.status, run.error and run.error["type"]) == ("dead_letter", "EventTimeout")
