@@ -363,6 +363,12 @@ class Context:
         """Whether the run's saga must run (a step failed for good)."""
         return self._halted == "compensate"
 
+    @property
+    def decided(self) -> str | None:
+        """What a failed step decided for the run, if one did: "retry" (the database released
+        the run until its backoff ends) or what its saga must do."""
+        return self._halted
+
     def idempotency_key(self, step: str) -> str:
         """A key that is the same on every attempt and replay of ``step`` in this run.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from pathlib import Path
@@ -147,6 +148,71 @@ def test_retrying_a_run_whose_gathered_event_waits_timed_out_waits_for_all_of_th
             client.send_event(run_id, name, payload)
         run = client.wait(run_id, timeout=20)
     assert (run.status, run.output) == ("completed", ["ok", 100, {"by": "ops"}]), run
+
+
+_FLAKY_BESIDE_A_WAIT: list[float] = []
+
+
+def _flaky_beside_a_wait() -> str:
+    _FLAKY_BESIDE_A_WAIT.append(time.monotonic())
+    if len(_FLAKY_BESIDE_A_WAIT) == 1:
+        time.sleep(0.3)  # the wait beside it has answered "wait" by then
+        raise RuntimeError("first attempt fails")
+    return "charged"
+
+
+@flowly.workflow("tw_step_beside_a_wait")
+async def tw_step_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
+    return list(await asyncio.gather(
+        ctx.step("charge", _flaky_beside_a_wait,
+                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=0.5)),
+        ctx.wait_for_event("receipt", timeout=60)))
+
+
+@flowly.workflow("tw_step_beside_a_sleep")
+async def tw_step_beside_a_sleep(ctx: flowly.Context, _: Any) -> Any:
+    return list(await asyncio.gather(
+        ctx.step("charge", _flaky_beside_a_wait,
+                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=0.5)),
+        ctx.sleep("cool-down", 1)))
+
+
+def test_a_step_retried_beside_a_pending_sleep_is_not_reported_as_a_lost_lease(
+    dsn: str, client: flowly.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As below, for a durable sleep beside the step: its timer was written under the lease
+    the step's release had ended."""
+    _FLAKY_BESIDE_A_WAIT.clear()
+    caplog.set_level(logging.INFO, logger="flowly")
+    run_id = client.start("tw_step_beside_a_sleep")
+    with running_worker(dsn, workflows=[tw_step_beside_a_sleep]):
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", ["charged", None]), run
+    assert not [r.getMessage() for r in caplog.records
+                if r.name.startswith("flowly.worker") and r.levelno >= logging.WARNING]
+
+
+def test_a_step_retried_beside_a_pending_wait_is_not_reported_as_a_lost_lease(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step fails while a wait beside it is pending: the database releases the run for the
+    step's backoff, and the worker then parked it under the lease that release had ended,
+    which failed and logged a WARNING that the run was dropped, its lease lost. The run was
+    fine. The step's decision now ends the execution, nothing is written under the old
+    lease, and the run goes on after the backoff as before."""
+    _FLAKY_BESIDE_A_WAIT.clear()
+    caplog.set_level(logging.INFO, logger="flowly")
+    run_id = client.start("tw_step_beside_a_wait")
+    with running_worker(dsn, workflows=[tw_step_beside_a_wait]):
+        wait_for(lambda: len(_FLAKY_BESIDE_A_WAIT) == 2, what="the retry of the step")
+        wait_for(lambda: _parked(db, run_id), what="parked on the wait after the retry")
+        client.send_event(run_id, "receipt", "r-1")
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", ["charged", "r-1"]), run
+    assert _FLAKY_BESIDE_A_WAIT[1] - _FLAKY_BESIDE_A_WAIT[0] >= 0.5  # after its backoff
+    assert not [r.getMessage() for r in caplog.records
+                if r.name.startswith("flowly.worker") and r.levelno >= logging.WARNING]
 
 
 def test_fan_out_and_in_with_one_failing_child(

@@ -938,11 +938,15 @@ class Worker:
             raise
         except WaitInterrupt:
             await ctx.settled()  # every wait of a fan-in registered, every step landed
+            if ctx.decided is not None:  # a step beside the wait failed: the run is not parked
+                return _after_decision(ctx.decided)
             await run_write(held.run_id, partial(
                 self._call, self._calls.park, (held.run_id, held.epoch, ctx.waiting)))
             return "done"
         except SleepInterrupt:
             await ctx.settled()  # steps running beside the sleep land before the release
+            if ctx.decided is not None:  # a step beside the sleep failed: it decides
+                return _after_decision(ctx.decided)
             assert ctx.sleeping is not None
             name, wake_at, position = ctx.sleeping
             (_, released), = await run_write(held.run_id, partial(
@@ -958,8 +962,8 @@ class Worker:
             if cancel_requested(exc):
                 raise
             await ctx.settled()
-            if ctx.compensating:
-                return "compensate"
+            if ctx.decided is not None:  # a step that failed meanwhile decided first
+                return _after_decision(ctx.decided)
             return await self._fail_run(held, exc, not isinstance(exc, NOT_RETRYABLE))
         try:
             await run_write(held.run_id,
@@ -1046,6 +1050,12 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+def _after_decision(decision: str) -> str:
+    """What ``_run_body`` returns once a failed step decided the run's fate: a retry released
+    the run (nothing more to write under this lease), any other decision is the saga's."""
+    return "done" if decision == "retry" else decision
 
 
 def _leases_kept(held: list[_Held], until: float) -> None:
