@@ -356,6 +356,12 @@ select not exists (select from schema_migrations where version = 54) as apply_mi
     insert into schema_migrations (version, name) values (54, '0054_hand_offs_missed_while_deaf');
 \endif
 
+select not exists (select from schema_migrations where version = 55) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0055_backoffs_not_cut_short_by_events.sql
+    insert into schema_migrations (version, name) values (55, '0055_backoffs_not_cut_short_by_events');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

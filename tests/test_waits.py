@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,36 @@ def test_a_step_retried_beside_a_pending_wait_is_not_reported_as_a_lost_lease(
     assert _FLAKY_BESIDE_A_WAIT[1] - _FLAKY_BESIDE_A_WAIT[0] >= 0.5  # after its backoff
     assert not [r.getMessage() for r in caplog.records
                 if r.name.startswith("flowly.worker") and r.levelno >= logging.WARNING]
+
+
+@flowly.workflow("tw_backoff_beside_a_wait")
+async def tw_backoff_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
+    return list(await asyncio.gather(
+        ctx.step("charge", _flaky_beside_a_wait,
+                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=4)),
+        ctx.wait_for_event("receipt", timeout=60)))
+
+
+def test_an_event_sent_during_a_step_s_backoff_does_not_cut_the_backoff_short(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A step beside a pending event wait fails and is released for a 4 s backoff; an event
+    for the wait comes a moment later. It woke the run at once, and the replay tried the step
+    again within the second. The event is kept for the wait and read when the backoff ends;
+    the step is tried again only then."""
+    _FLAKY_BESIDE_A_WAIT.clear()
+    run_id = client.start("tw_backoff_beside_a_wait")
+    with running_worker(dsn, workflows=[tw_backoff_beside_a_wait]):
+        wait_for(lambda: client.failed_attempts(run_id), what="the step's first failure")
+        client.send_event(run_id, "receipt", "r-1")
+        run = client.wait(run_id, timeout=30)
+    assert (run.status, run.output) == ("completed", ["charged", "r-1"]), run
+    (failure,) = client.failed_attempts(run_id)
+    assert failure.retry_at is not None
+    retried = next(s for s in client.steps(run_id) if s.name == "charge")
+    # a step's start is the worker's clock, retry_at the database's: a second for their skew
+    assert retried.started_at >= failure.retry_at - timedelta(seconds=1), (
+        retried.started_at, failure.retry_at)
 
 
 def test_fan_out_and_in_with_one_failing_child(
