@@ -163,10 +163,10 @@ def _flaky_beside_a_wait() -> str:
 
 
 @flowly.workflow("tw_step_beside_a_wait")
-async def tw_step_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
+async def tw_step_beside_a_wait(ctx: flowly.Context, backoff: float) -> Any:
     return list(await asyncio.gather(
         ctx.step("charge", _flaky_beside_a_wait,
-                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=0.5)),
+                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=backoff)),
         ctx.wait_for_event("receipt", timeout=60)))
 
 
@@ -204,7 +204,7 @@ def test_a_step_retried_beside_a_pending_wait_is_not_reported_as_a_lost_lease(
     lease, and the run goes on after the backoff as before."""
     _FLAKY_BESIDE_A_WAIT.clear()
     caplog.set_level(logging.INFO, logger="flowly")
-    run_id = client.start("tw_step_beside_a_wait")
+    run_id = client.start("tw_step_beside_a_wait", 0.5)
     with running_worker(dsn, workflows=[tw_step_beside_a_wait]):
         wait_for(lambda: len(_FLAKY_BESIDE_A_WAIT) == 2, what="the retry of the step")
         wait_for(lambda: _parked(db, run_id), what="parked on the wait after the retry")
@@ -216,14 +216,6 @@ def test_a_step_retried_beside_a_pending_wait_is_not_reported_as_a_lost_lease(
                 if r.name.startswith("flowly.worker") and r.levelno >= logging.WARNING]
 
 
-@flowly.workflow("tw_backoff_beside_a_wait")
-async def tw_backoff_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
-    return list(await asyncio.gather(
-        ctx.step("charge", _flaky_beside_a_wait,
-                 retry=flowly.Retry(max_attempts=2, backoff="fixed", initial_delay=4)),
-        ctx.wait_for_event("receipt", timeout=60)))
-
-
 def test_an_event_sent_during_a_step_s_backoff_does_not_cut_the_backoff_short(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
@@ -232,8 +224,8 @@ def test_an_event_sent_during_a_step_s_backoff_does_not_cut_the_backoff_short(
     again within the second. The event is kept for the wait and read when the backoff ends;
     the step is tried again only then."""
     _FLAKY_BESIDE_A_WAIT.clear()
-    run_id = client.start("tw_backoff_beside_a_wait")
-    with running_worker(dsn, workflows=[tw_backoff_beside_a_wait]):
+    run_id = client.start("tw_step_beside_a_wait", 4)
+    with running_worker(dsn, workflows=[tw_step_beside_a_wait]):
         wait_for(lambda: client.failed_attempts(run_id), what="the step's first failure")
         client.send_event(run_id, "receipt", "r-1")
         run = client.wait(run_id, timeout=30)
