@@ -16,7 +16,8 @@
 
 alter table waits add column reached_at timestamptz not null default now();
 
--- record_wait as in 0009, the step starting when the wait was first reached.
+-- record_wait as in 0009, the step starting when the wait was first reached (the wait's row,
+-- deleted as before, says when).
 create or replace function record_wait(
     p_run_id text, p_step text, p_kind text, p_output jsonb, p_position integer
 ) returns void
@@ -26,13 +27,12 @@ as $$
 declare
     v_reached_at timestamptz;
 begin
-    select w.reached_at into v_reached_at from waits w
-    where w.run_id = p_run_id and w.step = p_step;
+    delete from waits w where w.run_id = p_run_id and w.step = p_step
+    returning w.reached_at into v_reached_at;
     insert into steps (run_id, name, seq, position, kind, status, output, started_at)
     values (p_run_id, p_step, nextval('step_seq'), p_position, p_kind, 'completed', p_output,
             coalesce(v_reached_at, now()))
     on conflict do nothing;
-    delete from waits w where w.run_id = p_run_id and w.step = p_step;
     update runs r set takeovers = 0 where r.id = p_run_id and r.takeovers > 0;
 end
 $$;
