@@ -151,6 +151,58 @@ def test_retrying_a_run_whose_gathered_event_waits_timed_out_waits_for_all_of_th
     assert (run.status, run.output) == ("completed", ["ok", 100, {"by": "ops"}]), run
 
 
+_CHILD_FAILS = [True]
+
+
+@flowly.workflow("tw_failing_child", max_attempts=1)
+async def tw_failing_child(ctx: flowly.Context, _: Any) -> str:
+    if _CHILD_FAILS[0]:
+        raise RuntimeError("the child's first run fails")
+    return "child ok"
+
+
+@flowly.workflow("tw_approval_beside_a_child", max_attempts=1)
+async def tw_approval_beside_a_child(ctx: flowly.Context, args: dict[str, Any]) -> Any:
+    """An approval and another run's outcome waited for at once."""
+    return list(await asyncio.gather(ctx.wait_for_event("approval", timeout=args["timeout"]),
+                                     ctx.wait_for_run(args["child"])))
+
+
+def test_retrying_a_run_whose_gathered_event_and_run_waits_both_failed_waits_for_both_again(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """An event wait and a wait for another run, gathered: the event did not come in time and
+    the other run dead-lettered, both recorded in one replay, so the run dead-letters on
+    whichever the body met first. The operator retries the other run (it completes), sends
+    the event and retries this one. The retry asked again only the waits of the kind the body
+    raised (EventTimeout or ChildFailed) and replayed the other failure, so the run failed
+    again at once. Both are asked again."""
+    _CHILD_FAILS[0] = True
+    child = client.start("tw_failing_child", None, run_id="tw-gathered-child", queue="kids")
+    run_id = client.start("tw_approval_beside_a_child", {"timeout": 3, "child": child})
+    with running_worker(dsn, workflows=[tw_approval_beside_a_child]):
+        wait_for(lambda: _parked(db, run_id), what="parked on the event and the child")
+    with running_worker(dsn, workflows=[tw_failing_child], queues=["kids"]):
+        assert client.wait(child, timeout=20).status == "dead_letter"
+    time.sleep(3.5)  # the event's deadline passes too while no worker serves the run
+    with running_worker(dsn, workflows=[tw_approval_beside_a_child, tw_failing_child],
+                        queues=["default", "kids"]):
+        run = client.wait(run_id, timeout=20)
+        assert run.status == "dead_letter", run
+        assert run.error and run.error["type"] in ("EventTimeout", "ChildFailed"), run.error
+        outcomes = sorted(s.kind for s in client.steps(run_id)
+                          if s.output == {"timeout": True}
+                          or (s.kind == "run" and s.output["status"] == "dead_letter"))
+        assert outcomes == ["event", "run"]  # the case: both failures recorded
+        _CHILD_FAILS[0] = False
+        client.retry_dead_letter(child)
+        assert client.wait(child, timeout=20).status == "completed"
+        client.retry_dead_letter(run_id)  # a dead_letter run takes no events: retried first
+        client.send_event(run_id, "approval", {"by": "ops"})
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", [{"by": "ops"}, "child ok"]), run
+
+
 _FLAKY_BESIDE_A_WAIT: list[float] = []
 
 
