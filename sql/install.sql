@@ -368,6 +368,12 @@ select not exists (select from schema_migrations where version = 56) as apply_mi
     insert into schema_migrations (version, name) values (56, '0056_gathered_waits_of_both_kinds_asked_again');
 \endif
 
+select not exists (select from schema_migrations where version = 57) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0057_run_backoffs_not_cut_short_by_events.sql
+    insert into schema_migrations (version, name) values (57, '0057_run_backoffs_not_cut_short_by_events');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

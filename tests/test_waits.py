@@ -290,6 +290,49 @@ def test_an_event_sent_during_a_step_s_backoff_does_not_cut_the_backoff_short(
         retried.started_at, failure.retry_at)
 
 
+_BODY_STARTS: list[float] = []
+_BODY_FAILURES: list[float] = []
+
+
+@flowly.workflow("tw_body_fails_beside_a_wait", max_attempts=3)
+async def tw_body_fails_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
+    """Waits for a receipt in a task of its own, and fails (outside any step) meanwhile."""
+    _BODY_STARTS.append(time.monotonic())
+
+    async def receipt() -> Any:
+        return await ctx.wait_for_event("receipt", timeout=60)
+
+    waiting = asyncio.create_task(receipt())
+    await asyncio.sleep(0.3)  # the wait is registered by then
+    if len(_BODY_STARTS) < 3:
+        _BODY_FAILURES.append(time.monotonic())
+        raise RuntimeError(f"attempt {len(_BODY_STARTS)} fails")
+    return await waiting
+
+
+def test_an_event_sent_during_the_run_s_own_retry_backoff_does_not_cut_it_short(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """As above, for a retry of the whole run: the body fails outside a step while its event
+    wait (which has a deadline, so it stays registered) is pending, and the run is released
+    for its 2 s backoff (the second). An event sent for the wait woke the run at once (0055
+    only knew a step's backoff). It waits for the backoff's end now."""
+    _BODY_STARTS.clear()
+    _BODY_FAILURES.clear()
+    run_id = client.start("tw_body_fails_beside_a_wait")
+    with running_worker(dsn, workflows=[tw_body_fails_beside_a_wait]):
+        wait_for(lambda: len(_BODY_FAILURES) == 2 and scalar(
+            db, "select status = 'pending' and attempt = 3 from flowly.runs where id = %s",
+            run_id), what="the second failure released for its backoff")
+        # the case: the wait is still registered during the backoff
+        assert scalar(db, "select count(*) from flowly.waits where run_id = %s", run_id) == 1
+        client.send_event(run_id, "receipt", "r-1")
+        run = client.wait(run_id, timeout=30)
+    assert (run.status, run.output) == ("completed", "r-1"), run
+    assert len(_BODY_STARTS) == 3
+    assert _BODY_STARTS[2] - _BODY_FAILURES[1] >= 1.5, _BODY_STARTS[2] - _BODY_FAILURES[1]
+
+
 def test_fan_out_and_in_with_one_failing_child(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
