@@ -374,6 +374,12 @@ select not exists (select from schema_migrations where version = 57) as apply_mi
     insert into schema_migrations (version, name) values (57, '0057_run_backoffs_not_cut_short_by_events');
 \endif
 
+select not exists (select from schema_migrations where version = 58) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0058_large_families_cancelled_in_linear_time.sql
+    insert into schema_migrations (version, name) values (58, '0058_large_families_cancelled_in_linear_time');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles
