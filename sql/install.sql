@@ -380,6 +380,12 @@ select not exists (select from schema_migrations where version = 58) as apply_mi
     insert into schema_migrations (version, name) values (58, '0058_large_families_cancelled_in_linear_time');
 \endif
 
+select not exists (select from schema_migrations where version = 59) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0059_heartbeats_past_a_held_worker_row.sql
+    insert into schema_migrations (version, name) values (59, '0059_heartbeats_past_a_held_worker_row');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

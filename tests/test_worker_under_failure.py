@@ -23,7 +23,7 @@ from psycopg import sql
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY
-from tests.support import WorkerProcess, freezable_proxy, running_worker, scalar, wait_for
+from tests.support import WorkerProcess, claim_as, freezable_proxy, running_worker, scalar, wait_for
 from tests.support import worker_process as app_worker_process
 
 # -- workflows ------------------------------------------------------------------------------
@@ -431,3 +431,79 @@ def test_a_stop_while_the_database_hangs_still_ends_every_thread_of_the_worker(
         assert not left, f"threads left running after the worker stopped: {left}"
         # drain_timeout, the grace of the orderly shutdown, then unregister and pool close
         assert took < 16, f"the shutdown took {took:.1f}s"
+
+
+_LONG_STEP_CALLS: list[float] = []
+
+
+async def _four_seconds() -> str:
+    _LONG_STEP_CALLS.append(time.monotonic())
+    await asyncio.sleep(4)
+    return "done"
+
+
+@flowly.workflow("wuf_four_second_step")
+async def wuf_four_second_step(ctx: flowly.Context, _: Any) -> Any:
+    return await ctx.step("long", _four_seconds)
+
+
+def test_a_heartbeat_does_not_wait_for_another_transaction_holding_the_worker_s_row(
+    db: psycopg.Connection[Any], dsn: str
+) -> None:
+    """heartbeat updated the worker's row in flowly.workers (its last_seen_at) before it
+    extended any lease, so another transaction holding that row (an admin's open `update
+    flowly.workers ...`, a `select ... for update`) stopped the extension of every run the
+    worker held: the call waited for the lock. It leaves the row for a later beat now."""
+    db.execute("select flowly.start('wuf_quick')")
+    epochs = claim_as(db, "wuf_quick")
+    db.execute("select flowly.register_worker('w', array['wuf_quick'], array['default'],"
+               " '1 hour')")
+    with psycopg.connect(dsn) as holder:
+        holder.execute("select * from flowly.workers where id = 'w' for update")
+        with psycopg.connect(dsn, autocommit=True) as worker:
+            worker.execute("set lock_timeout = '2s'")
+            lost = worker.execute("select * from flowly.heartbeat('w', %s, %s, '1 hour')",
+                                  (list(epochs), list(epochs.values()))).fetchall()
+    assert lost == []
+    assert scalar(db, "select bool_and(locked_until > now() + interval '50 minutes')"
+                      " from flowly.runs")
+
+
+def test_a_worker_starts_while_another_transaction_holds_a_dead_worker_s_row(
+    db: psycopg.Connection[Any], dsn: str
+) -> None:
+    """register_worker deletes workers unseen for 100 leases; it waited for a lock on such a
+    row, so a worker's start hung behind an admin's open transaction on it. The clean-up skips
+    a held row now (a later start deletes it)."""
+    db.execute("select flowly.register_worker('dead', array['wuf_quick'], array['default'],"
+               " '1 s')")
+    db.execute("update flowly.workers set last_seen_at = now() - interval '1 hour'")
+    with psycopg.connect(dsn) as holder:
+        holder.execute("select * from flowly.workers where id = 'dead' for update")
+        with psycopg.connect(dsn, autocommit=True) as worker:
+            worker.execute("set lock_timeout = '2s'")
+            worker.execute("select flowly.register_worker('alive', array['wuf_quick'],"
+                           " array['default'], '30 s')")
+    assert [r[0] for r in db.execute("select id from flowly.workers order by id")] == [
+        "alive", "dead"]
+    db.execute("select flowly.register_worker('later', array['wuf_quick'], array['default'],"
+               " '30 s')")
+    assert [r[0] for r in db.execute("select id from flowly.workers order by id")] == [
+        "alive", "later"]
+
+
+def test_a_worker_whose_row_another_transaction_holds_keeps_its_runs(dsn: str) -> None:
+    """As above, end to end: with the worker's row held for longer than its lease, its
+    heartbeats failed, its run's lease lapsed and the worker took the run over from itself
+    again and again, running its step each time (4 times in a probe)."""
+    _LONG_STEP_CALLS.clear()
+    client = flowly.Client(dsn)
+    run_id = client.start("wuf_four_second_step")
+    with running_worker(dsn, workflows=[wuf_four_second_step], lease=1.5, worker_id="held"):
+        wait_for(lambda: _LONG_STEP_CALLS, what="the step started")
+        with psycopg.connect(dsn) as holder:
+            holder.execute("select * from flowly.workers where id = 'held' for update")
+            time.sleep(4.5)  # three leases
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed", run
+    assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
