@@ -613,7 +613,7 @@ def test_a_late_heartbeat_does_not_cancel_a_newer_claim_of_the_run(
         run_id = client.start("work_nap_work", {"first": 2, "second": 1})
         wait_for(lambda: scalar(db, "select lease_epoch = 1 from flowly.runs"), what="claimed")
         # the next heartbeat (its runs snapshotted now, at epoch 1) waits on the worker's row
-        blocker.execute("select from flowly.workers where id = %s for update", (worker.worker_id,))
+        blocker.execute("lock table flowly.workers in exclusive mode")
         wait_for(lambda: scalar(db, "select lease_epoch >= 3 and status = 'running'"
                                     " from flowly.runs"), what="claimed again after the nap")
         blocker.commit()
@@ -677,13 +677,14 @@ def test_a_database_error_about_the_run_fails_it_rather_than_abandoning_it(
 def test_a_worker_that_takes_its_own_run_over_stops_the_old_execution(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
 ) -> None:
-    """Heartbeats fail past the lease (here: blocked on the worker's row); the worker's own
-    claim takes the expired run over and must cancel the execution it already had."""
-    with running_worker(dsn, lease=1.5) as worker, psycopg.connect(dsn) as blocker:
+    """Heartbeats fail past the lease (here: blocked on a lock of the workers table, which
+    claims only read); the worker's own claim takes the expired run over and must cancel the
+    execution it already had."""
+    with running_worker(dsn, lease=1.5), psycopg.connect(dsn) as blocker:
         wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), what="registered")
         run_id = client.start("slow", {"seconds": 4})
         wait_for(lambda: scalar(db, "select lease_epoch = 1 from flowly.runs"), what="claimed")
-        blocker.execute("select from flowly.workers where id = %s for update", (worker.worker_id,))
+        blocker.execute("lock table flowly.workers in exclusive mode")
         wait_for(lambda: scalar(db, "select lease_epoch = 2 from flowly.runs"), timeout=10,
                  what="taken over")
         wait_for(lambda: run_id in workflows.CANCELLED, timeout=1, what="old execution stopped")
