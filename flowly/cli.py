@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib
 import json
 import logging
@@ -30,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from . import __version__
+from . import __version__, deep_json
 from .arguments import STATUSES, seconds
 from .client import Client, Run
 from .client import parse_since as client_parse_since
@@ -47,6 +46,7 @@ from .errors import (
 )
 from .render import (
     error_message,
+    fields_of,
     format_age,
     format_time,
     load_run,
@@ -267,7 +267,7 @@ def _parse_input(text: str | None) -> Any:
     if text == "-":
         text, source = sys.stdin.read(), "standard input"
     try:
-        return json.loads(text)
+        return deep_json.loads(text)
     except json.JSONDecodeError as exc:
         raise CliError(f"{source} is not valid JSON: {exc}", EXIT_USAGE) from None
 
@@ -293,7 +293,7 @@ def cmd_start(args: argparse.Namespace) -> int:
                               **{k: v for k, v in options.items() if v is not None})
         run = client.get(run_id)
         if args.json:
-            _print_json(dataclasses.asdict(run))
+            _print_json(fields_of(run))
         else:
             print(run_id)
     return EXIT_OK
@@ -328,7 +328,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         runs = client.list_runs(status=args.status, workflow=args.workflow, since=since,
                                 limit=args.limit, data=args.json)
     if args.json:
-        _print_json([dataclasses.asdict(r) for r in runs])
+        _print_json([fields_of(r) for r in runs])
         return EXIT_OK
     if not runs:
         print("no runs match")
@@ -393,7 +393,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
         client.retry_dead_letter(_resolved(args, client))
         run = client.get(args.run_id)
     if args.json:
-        _print_json(dataclasses.asdict(run))
+        _print_json(fields_of(run))
     else:
         print(f"run {run.id} restarted: now {run.status}")
     return EXIT_OK
@@ -436,7 +436,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if status != "cancelled":
         raise CliError(f"run {run.id} is {status}; it cannot be cancelled")
     if args.json:
-        _print_json(dataclasses.asdict(run))
+        _print_json(fields_of(run))
     elif before.status == "cancelled":
         print(f"run {run.id} was already cancelled")
     else:
@@ -512,7 +512,7 @@ def cmd_embedded(args: argparse.Namespace) -> int:
     state = embedded.status(data_dir)
     others = [(pid, d) for pid, d in embedded.running_servers() if d != state.data_dir]
     if args.json:
-        _print_json({**dataclasses.asdict(state), "data_dir": str(state.data_dir),
+        _print_json({**fields_of(state), "data_dir": str(state.data_dir),
                      "running": state.running,
                      "others": [{"pid": pid, "data_dir": str(d)} for pid, d in others]})
         return EXIT_OK
@@ -538,7 +538,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _schedule_json(schedule: Any) -> dict[str, Any]:
-    return dataclasses.asdict(schedule)
+    return fields_of(schedule)
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from . import deep_json
 from .client import Client, Run, Step, StepAttempt, Timer
 
 
@@ -30,13 +31,19 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, Decimal):
         return float(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return fields_of(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def fields_of(record: Any) -> dict[str, Any]:
+    """A dataclass record's fields by name, their values as they are (``dataclasses.asdict``
+    copies nested values recursively, which an input nested thousands deep does not survive)."""
+    return {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
 
 
 def to_json(value: Any) -> str:
     """Serialise CLI output: datetimes as ISO 8601, intervals as seconds."""
-    return json.dumps(value, default=_json_default, indent=2, ensure_ascii=False)
+    return deep_json.dumps(value, default=_json_default, indent=2, ensure_ascii=False)
 
 
 def format_time(value: datetime | None) -> str:
@@ -147,14 +154,14 @@ class RunDetail:
     def as_json(self) -> dict[str, Any]:
         """The full structure, for ``--json``."""
         return {
-            "run": dataclasses.asdict(self.run),
+            "run": fields_of(self.run),
             "steps": [
-                {**dataclasses.asdict(s),
+                {**fields_of(s),
                  "duration_ms": round(s.duration.total_seconds() * 1000, 3)}
                 for s in self.steps
             ],
-            "timers": [dataclasses.asdict(t) for t in self.timers],
-            "failed_attempts": [dataclasses.asdict(a) for a in self.failed_attempts],
+            "timers": [fields_of(t) for t in self.timers],
+            "failed_attempts": [fields_of(a) for a in self.failed_attempts],
         }
 
 
@@ -193,7 +200,7 @@ def _full_error(error: Any, indent: str = "    ") -> list[str]:
 
 
 def _full_json(value: Any, indent: str = "    ") -> list[str]:
-    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    text = deep_json.dumps(value, indent=2, ensure_ascii=False, default=str)
     return [indent + line for line in text.splitlines()]
 
 
@@ -237,9 +244,9 @@ def render_run(detail: RunDetail, *, full: bool = False) -> str:
         ok = run.compensation_ok
         header.append(("compensation_ok", "-" if ok is None else str(ok).lower()))
     if not full:
-        header.append(("input", shorten(json.dumps(run.input), 100)))
+        header.append(("input", shorten(deep_json.dumps(run.input), 100)))
         if run.output is not None:
-            header.append(("output", shorten(json.dumps(run.output), 100)))
+            header.append(("output", shorten(deep_json.dumps(run.output), 100)))
     width = max(len(k) for k, _ in header)
     lines = [f"run {run.id}"] + [f"  {k.ljust(width)}  {v}" for k, v in header]
 

@@ -15,12 +15,13 @@ confirms the run with a heartbeat before it begins it (migration 0032).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from .. import deep_json
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def parse_handoff(payload: str) -> HandOff | None:
     """The hand-off a NOTIFY carries, or None (logged) if the payload is not one: the worker
     then claims as usual, and the run, if there is one, reaches it that way."""
     try:
-        fields: dict[str, Any] = json.loads(payload)
+        fields: dict[str, Any] = deep_json.loads(payload)
         lease_until = fields.get("lease_until")
         return HandOff(
             ClaimedRun(

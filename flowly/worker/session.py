@@ -16,6 +16,8 @@ from typing import Any
 
 import psycopg
 
+from .. import deep_json
+
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
 _MIN_STATEMENT_TIMEOUT_MS = 5000
@@ -68,12 +70,14 @@ def _check_client_every(lease: float) -> tuple[str]:
 
 
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
+    deep_json.use_on(conn)
     await conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
 
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
+    deep_json.use_on(conn)
     conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))
