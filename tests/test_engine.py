@@ -608,11 +608,11 @@ def test_a_late_heartbeat_does_not_cancel_a_newer_claim_of_the_run(
 ) -> None:
     """A heartbeat sent for epoch N is held up while the run sleeps and is claimed again by the
     same worker (epoch N+2); when it reports epoch N lost, the new execution must go on."""
-    with running_worker(dsn, lease=4) as worker, psycopg.connect(dsn) as blocker:
+    with running_worker(dsn, lease=4), psycopg.connect(dsn) as blocker:
         wait_for(lambda: scalar(db, "select count(*) from flowly.workers"), what="registered")
         run_id = client.start("work_nap_work", {"first": 2, "second": 1})
         wait_for(lambda: scalar(db, "select lease_epoch = 1 from flowly.runs"), what="claimed")
-        # the next heartbeat (its runs snapshotted now, at epoch 1) waits on the worker's row
+        # the next heartbeat (its runs snapshotted now, at epoch 1) waits on the table's lock
         blocker.execute("lock table flowly.workers in exclusive mode")
         wait_for(lambda: scalar(db, "select lease_epoch >= 3 and status = 'running'"
                                     " from flowly.runs"), what="claimed again after the nap")
