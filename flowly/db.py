@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from . import deep_json
 from .errors import InvalidArgument, RunBusy, SchemaError, SchemaNotInstalled, translate
 
 DEFAULT_SCHEMA = "flowly"
@@ -118,7 +119,10 @@ def dumps(value: Any) -> str:
     surrogates; catching them here names the culprit instead of failing a whole batch of
     writes in the database.
     """
-    text = _ENCODER.encode(value)
+    try:
+        text = _ENCODER.encode(value)
+    except RecursionError:  # nested too deeply for json (read by deep_json, say)
+        text = deep_json.dumps_without_recursion(value, allow_nan=False, ensure_ascii=False)
     if _has_nul_escape(text):
         raise ValueError("jsonb cannot store the character U+0000 (NUL)")
     if not text.isascii():  # ASCII text (most of it) can hold no surrogate

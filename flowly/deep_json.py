@@ -46,15 +46,17 @@ def dumps(value: Any, **options: Any) -> str:
     try:
         return json.dumps(value, **options)
     except RecursionError:
-        scalar_options = {k: v for k, v in options.items() if k in ("default", "ensure_ascii")}
-        return _dumps_without_recursion(value, scalar_options)
+        return dumps_without_recursion(value, **{
+            k: v for k, v in options.items() if k in ("default", "ensure_ascii", "allow_nan")})
 
 
 class _Written(str):
     """Text to write as it is (a bracket, a comma, a key), among the values still to write."""
 
 
-def _dumps_without_recursion(value: Any, scalar_options: dict[str, Any]) -> str:
+def dumps_without_recursion(value: Any, **scalar_options: Any) -> str:
+    """``value`` as compact JSON text (no spaces), written without recursion; the options
+    (``default``, ``ensure_ascii``, ``allow_nan``) apply as in ``json.dumps``."""
     parts: list[str] = []
     todo: list[Any] = [value]  # popped from the end: the next value, or _Written text
     while todo:

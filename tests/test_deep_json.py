@@ -60,6 +60,27 @@ def test_a_deep_input_and_event_reach_the_workflow_and_the_runs_beside_them_fini
     assert _depth(client.get(deep).input) == DEPTH  # the client reads it too
 
 
+@flowly.workflow("dj_echo")
+async def dj_echo(ctx: flowly.Context, inp: Any) -> Any:
+    """Its input back, through a step's checkpoint."""
+    return await ctx.step("echo", lambda: inp)
+
+
+def test_a_deep_value_goes_back_into_the_database_as_it_came(
+    dsn: str, client: flowly.Client
+) -> None:
+    """A value read past json's depth is written back without recursion too: a step's output,
+    a run's output, and a client's start (json.dumps refused it: StepOutputNotSerializable,
+    InvalidArgument)."""
+    run_id = client.start("dj_echo", loads(_nested(DEPTH)))
+    with running_worker(dsn, workflows=[dj_echo]):
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed", run.error
+    assert _depth(run.output) == DEPTH
+    (step,) = client.steps(run_id)
+    assert _depth(step.output) == DEPTH
+
+
 def test_a_hand_off_of_a_deep_input_reaches_the_workflow(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
