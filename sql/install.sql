@@ -386,6 +386,12 @@ select not exists (select from schema_migrations where version = 59) as apply_mi
     insert into schema_migrations (version, name) values (59, '0059_heartbeats_past_a_held_worker_row');
 \endif
 
+select not exists (select from schema_migrations where version = 60) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0060_purge_past_runs_the_application_references.sql
+    insert into schema_migrations (version, name) values (60, '0060_purge_past_runs_the_application_references');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -167,6 +167,28 @@ def test_purge_skips_a_locked_run_and_never_waits(
     assert scalar(db, "select flowly.purge('1 day')") == 1
 
 
+def test_purge_keeps_a_run_a_table_of_the_application_references_and_deletes_the_rest(
+    db: psycopg.Connection[Any]
+) -> None:
+    """An application's table with a foreign key to flowly.runs (an order pointing at the run
+    that handled it, without ON DELETE CASCADE) refused the batch's one delete: every purge
+    failed on the oldest batch, and nothing was ever purged again. The referenced run is kept
+    (with a warning) and the others go."""
+    _history(db, 5)
+    db.execute("create table public.orders (id int, run_id text references flowly.runs (id))")
+    db.execute("insert into public.orders values (1, 'old-2'), (2, 'old-4')")
+    notices: list[str] = []
+    db.add_notice_handler(lambda notice: notices.append(str(notice.message_primary)))
+    assert scalar(db, "select flowly.purge('1 day')") == 3
+    assert [r[0] for r in db.execute("select id from flowly.runs order by id")] == [
+        "old-2", "old-4"]
+    assert notices == ["purge kept 2 finished run(s) that other tables still reference"
+                       " (foreign keys without on delete cascade), such as old-2"]
+    db.execute("delete from public.orders where id = 1")
+    assert scalar(db, "select flowly.purge('1 day')") == 1
+    assert scalar(db, "select flowly.purge('1 day')") == 0
+
+
 @pytest.mark.parametrize(("call", "problem"), [
     ("flowly.purge(null)", "older_than"),
     ("flowly.purge('-1 day')", "older_than"),
@@ -202,3 +224,20 @@ def test_a_worker_purges_old_history_when_asked(
             time.sleep(0.1)
     assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 0
     assert client.get(fresh.id).status == "completed"  # finished, but not old enough
+
+
+def test_a_worker_purges_past_a_run_the_application_references(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """A batch short of a run a foreign key keeps is not the end: the worker went on only a
+    minute later, a batch a minute while such runs came up."""
+    _history(db, 2_500)
+    db.execute("create table public.orders (id int, run_id text references flowly.runs (id))")
+    db.execute("insert into public.orders"
+               " select g, 'old-' || g from generate_series(1, 2500, 100) g")
+    with running_worker(dsn, purge_after=timedelta(hours=1)):
+        deadline = time.monotonic() + 20
+        while scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") > 25 and (
+                time.monotonic() < deadline):
+            time.sleep(0.1)
+    assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 25

@@ -799,7 +799,9 @@ class Worker:
                 self._calls.purge,
                 (older_than, ["completed", "cancelled", "dead_letter"], _PURGE_BATCH))
             purged += deleted
-            if deleted < _PURGE_BATCH:
+            # a short batch may only mean that a table of the application references some
+            # of its runs (purge keeps those): nothing is left once a batch deletes none
+            if deleted == 0:
                 break
         if purged:
             logger.info("purged %d finished run(s) older than %s", purged, older_than)
