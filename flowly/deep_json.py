@@ -6,8 +6,8 @@ payload written from SQL), but ``json.loads`` recurses once per level and raises
 the whole fetch: a claim of many runs, one of them with such an input, crashed the worker, and
 a replay page holding such a payload could never be read. :func:`loads` decodes those values
 without recursion instead, so they reach the workflow like any other; :func:`use_on` makes a
-connection load ``json`` and ``jsonb`` with it. :func:`dumps` writes such values back (the
-command line shows them).
+connection load ``json`` and ``jsonb`` with it. :func:`dumps_without_recursion` writes such
+values back (flowly.db's dumps falls back on it), and :func:`dumps` for the command line.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def loads(data: str | bytes) -> Any:
 
 
 def dumps(value: Any, **options: Any) -> str:
-    """``json.dumps(value, **options)``; a value nested too deeply for it is written without
-    recursion, compactly (``indent`` is not followed), with ``default`` and ``ensure_ascii``
-    as given."""
+    """``json.dumps(value, **options)``; a value nested too deeply for it is written by
+    :func:`dumps_without_recursion`, compactly (``indent`` and ``separators`` are not
+    followed; ``default``, ``ensure_ascii`` and ``allow_nan`` are)."""
     try:
         return json.dumps(value, **options)
     except RecursionError:
