@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from datetime import timedelta
@@ -294,6 +295,11 @@ _BODY_STARTS: list[float] = []
 _BODY_FAILURES: list[float] = []
 
 
+def _wait_registered(run_id: str) -> bool:
+    with psycopg.connect(os.environ["FLOWLY_DSN"], autocommit=True) as conn:
+        return bool(scalar(conn, "select count(*) from flowly.waits where run_id = %s", run_id))
+
+
 @flowly.workflow("tw_body_fails_beside_a_wait", max_attempts=3)
 async def tw_body_fails_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
     """Waits for a receipt in a task of its own, and fails (outside any step) meanwhile."""
@@ -303,8 +309,9 @@ async def tw_body_fails_beside_a_wait(ctx: flowly.Context, _: Any) -> Any:
         return await ctx.wait_for_event("receipt", timeout=60)
 
     waiting = asyncio.create_task(receipt())
-    await asyncio.sleep(0.3)  # the wait is registered by then
     if len(_BODY_STARTS) < 3:
+        while not await asyncio.to_thread(_wait_registered, ctx.run_id):
+            await asyncio.sleep(0.05)
         _BODY_FAILURES.append(time.monotonic())
         raise RuntimeError(f"attempt {len(_BODY_STARTS)} fails")
     return await waiting
