@@ -23,7 +23,14 @@ from psycopg.rows import dict_row
 
 from . import arguments, deep_json
 from .bounded_calls import Cutoff, within
-from .db import TERMINAL, Calls, check_schema_name, dumps_argument, translated_errors
+from .db import (
+    TERMINAL,
+    Calls,
+    check_schema_name,
+    dumps_argument,
+    log_server_warnings,
+    translated_errors,
+)
 from .errors import (
     DatabaseTimeout,
     FlowlyError,
@@ -380,6 +387,7 @@ class Client:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
                                                 **self._connect_bound)
             deep_json.use_on(conn)
+            log_server_warnings(conn)
         if self.timeout is not None and self._bounded is not conn:
             # made on self._conn, so that a caller's Cutoff can cut it off if it hangs
             conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
@@ -681,6 +689,7 @@ class AsyncClient:
                     self.dsn, autocommit=True, row_factory=dict_row,
                     **_connect_bound(self.timeout))
                 deep_json.use_on(conn)
+                log_server_warnings(conn)
             if self.timeout is not None and self._bounded is not conn:
                 await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
                 self._bounded = conn

@@ -8,6 +8,7 @@ flowly's SQLSTATEs into named exceptions. Reads for clients go straight to the t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ from psycopg import sql
 
 from . import deep_json
 from .errors import InvalidArgument, RunBusy, SchemaError, SchemaNotInstalled, translate
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "flowly"
 NON_TERMINAL = ("pending", "running", "compensating")
@@ -131,6 +134,17 @@ def dumps(value: Any) -> str:
         except UnicodeEncodeError as exc:
             raise ValueError(f"jsonb cannot store an unpaired surrogate: {exc}") from None
     return text
+
+
+def log_server_warnings(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Log the warnings the server sends ``conn`` (purge's about runs it had to keep, say):
+    psycopg drops notices nobody handles."""
+    conn.add_notice_handler(_log_if_warning)
+
+
+def _log_if_warning(notice: psycopg.errors.Diagnostic) -> None:
+    if notice.severity_nonlocalized == "WARNING":
+        logger.warning("database: %s", notice.message_primary)
 
 
 def utf8_size(text: str) -> int:

@@ -4,6 +4,7 @@ worker, without touching live work."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -227,10 +228,10 @@ def test_a_worker_purges_old_history_when_asked(
 
 
 def test_a_worker_purges_past_a_run_the_application_references(
-    dsn: str, db: psycopg.Connection[Any]
+    dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A batch short of a run a foreign key keeps is not the end: the worker went on only a
-    minute later, a batch a minute while such runs came up."""
+    minute later, a batch a minute while such runs came up. It logs purge's warning."""
     _history(db, 2_500)
     db.execute("create table public.orders (id int, run_id text references flowly.runs (id))")
     db.execute("insert into public.orders"
@@ -241,3 +242,5 @@ def test_a_worker_purges_past_a_run_the_application_references(
                 time.monotonic() < deadline):
             time.sleep(0.1)
     assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 25
+    assert any("purge kept" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records if r.name.startswith("flowly")), caplog.text

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 
 from .. import deep_json
+from ..db import log_server_warnings
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -71,6 +72,7 @@ def _check_client_every(lease: float) -> tuple[str]:
 
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
     deep_json.use_on(conn)
+    log_server_warnings(conn)
     await conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
@@ -78,6 +80,7 @@ async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> N
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
     deep_json.use_on(conn)
+    log_server_warnings(conn)
     conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))
