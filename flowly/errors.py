@@ -116,15 +116,26 @@ _BY_SQLSTATE: dict[str, type[FlowlyError]] = {
 }
 
 
+# PostgreSQL's statement_too_complex: from an engine call, a value (an input, a payload)
+# nested deeper than the server's parser takes (max_stack_depth; about 10,000 levels at 2 MB)
+_TOO_DEEP = "54001"
+
+
 def translate(error: psycopg.Error) -> Exception:
     """Return the named exception for a psycopg error raised by an engine function.
 
-    Errors without one of flowly's SQLSTATEs are returned unchanged.
+    Errors without one of flowly's SQLSTATEs are returned unchanged, but for a value nested
+    too deeply for the server, which is the caller's InvalidArgument.
     """
+    message = error.diag.message_primary or str(error)
+    if error.sqlstate == _TOO_DEEP:
+        translated: Exception = InvalidArgument(
+            f"a value nests too deeply for the database to store: {message}")
+        translated.__cause__ = error
+        return translated
     cls = _BY_SQLSTATE.get(error.sqlstate or "")
     if cls is None:
         return error
-    message = error.diag.message_primary or str(error)
     translated = cls(message)
     translated.__cause__ = error
     return translated
