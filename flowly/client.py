@@ -21,14 +21,14 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from . import arguments, deep_json
+from . import arguments
 from .bounded_calls import Cutoff, within
 from .db import (
     TERMINAL,
     Calls,
+    adapt_connection,
     check_schema_name,
     dumps_argument,
-    log_server_warnings,
     translated_errors,
 )
 from .errors import (
@@ -386,8 +386,7 @@ class Client:
         if conn is None or conn.closed:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
                                                 **self._connect_bound)
-            deep_json.use_on(conn)
-            log_server_warnings(conn)
+            adapt_connection(conn)
         if self.timeout is not None and self._bounded is not conn:
             # made on self._conn, so that a caller's Cutoff can cut it off if it hangs
             conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
@@ -688,8 +687,7 @@ class AsyncClient:
                 conn = self._conn = await psycopg.AsyncConnection.connect(
                     self.dsn, autocommit=True, row_factory=dict_row,
                     **_connect_bound(self.timeout))
-                deep_json.use_on(conn)
-                log_server_warnings(conn)
+                adapt_connection(conn)
             if self.timeout is not None and self._bounded is not conn:
                 await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
                 self._bounded = conn

@@ -136,9 +136,11 @@ def dumps(value: Any) -> str:
     return text
 
 
-def log_server_warnings(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-    """Log the warnings the server sends ``conn`` (purge's about runs it had to keep, say):
-    psycopg drops notices nobody handles."""
+def adapt_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """What every connection flowly opens gets: ``json``/``jsonb`` read by deep_json (a value
+    nested past json's depth would fail the whole fetch), and the server's warnings logged
+    (purge's about runs it had to keep, say), which psycopg drops when nobody handles them."""
+    deep_json.use_on(conn)
     conn.add_notice_handler(_log_if_warning)
 
 

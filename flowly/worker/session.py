@@ -16,8 +16,7 @@ from typing import Any
 
 import psycopg
 
-from .. import deep_json
-from ..db import log_server_warnings
+from ..db import adapt_connection
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -71,16 +70,14 @@ def _check_client_every(lease: float) -> tuple[str]:
 
 
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
-    deep_json.use_on(conn)
-    log_server_warnings(conn)
+    adapt_connection(conn)
     await conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
 
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
-    deep_json.use_on(conn)
-    log_server_warnings(conn)
+    adapt_connection(conn)
     conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))
