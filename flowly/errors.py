@@ -129,11 +129,10 @@ def translate(error: psycopg.Error) -> Exception:
     """
     message = error.diag.message_primary or str(error)
     if error.sqlstate == _TOO_DEEP:
-        translated: Exception = InvalidArgument(
-            f"a value nests too deeply for the database to store: {message}")
-        translated.__cause__ = error
-        return translated
-    cls = _BY_SQLSTATE.get(error.sqlstate or "")
+        cls: type[FlowlyError] | None = InvalidArgument
+        message = f"a value nests too deeply for the database to store: {message}"
+    else:
+        cls = _BY_SQLSTATE.get(error.sqlstate or "")
     if cls is None:
         return error
     translated = cls(message)
