@@ -939,16 +939,17 @@ class Worker:
         except (LeaseLostInterrupt, RunAbandoned):
             raise
         except WaitInterrupt:
-            await ctx.settled()  # every wait of a fan-in registered, every step landed
-            if ctx.decided is not None:  # a step beside the wait failed: the run is not parked
-                return _after_decision(ctx.decided)
+            # every wait of a fan-in registered, every step landed; a step beside the wait
+            # that failed decided instead, and the run is not parked
+            if (decided := await _settled_decision(ctx)) is not None:
+                return decided
             await run_write(held.run_id, partial(
                 self._call, self._calls.park, (held.run_id, held.epoch, ctx.waiting)))
             return "done"
         except SleepInterrupt:
-            await ctx.settled()  # steps running beside the sleep land before the release
-            if ctx.decided is not None:  # a step beside the sleep failed: it decides
-                return _after_decision(ctx.decided)
+            # steps running beside the sleep land before the release; one that failed decides
+            if (decided := await _settled_decision(ctx)) is not None:
+                return decided
             assert ctx.sleeping is not None
             name, wake_at, position = ctx.sleeping
             (_, released), = await run_write(held.run_id, partial(
@@ -963,9 +964,8 @@ class Worker:
         except BaseException as exc:  # the body itself failed: the database decides what next
             if cancel_requested(exc):
                 raise
-            await ctx.settled()
-            if ctx.decided is not None:  # a step that failed meanwhile decided first
-                return _after_decision(ctx.decided)
+            if (decided := await _settled_decision(ctx)) is not None:
+                return decided  # a step that failed meanwhile decided first
             return await self._fail_run(held, exc, not isinstance(exc, NOT_RETRYABLE))
         try:
             await run_write(held.run_id,
@@ -1054,10 +1054,14 @@ class Worker:
         return rows[0]
 
 
-def _after_decision(decision: str) -> str:
-    """What ``_run_body`` returns once a failed step decided the run's fate: a retry released
-    the run (nothing more to write under this lease), any other decision is the saga's."""
-    return "done" if decision == "retry" else decision
+async def _settled_decision(ctx: Context) -> str | None:
+    """Once the run's steps in flight have landed: what ``_run_body`` returns if a failed step
+    decided the run's fate meanwhile ("done" after a retry, which released the run, so nothing
+    more is written under this lease; else the saga's decision), or None if none did."""
+    await ctx.settled()
+    if ctx.decided is None:
+        return None
+    return "done" if ctx.decided == "retry" else ctx.decided
 
 
 def _leases_kept(held: list[_Held], until: float) -> None:
