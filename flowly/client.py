@@ -200,6 +200,31 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
         pause = min(pause * 2, _POLL_MAX)
 
 
+def _listen_to(channel: str) -> sql.Composed:
+    return sql.SQL("listen {}").format(sql.Identifier(channel))
+
+
+# A wait listens only while it waits. A backend left listening is sent every finished-run
+# NOTIFY of the database; with its client reading none, it stalls once the socket is full, and
+# the server's notification queue, shared by every session, cannot be cleared past it: it
+# grows until NOTIFY fails everywhere. A listener that cannot be told to stop is closed.
+_UNLISTEN = sql.SQL("unlisten *")
+
+
+def _unlisten(listener: psycopg.Connection[Any]) -> None:
+    try:
+        listener.execute(_UNLISTEN)
+    except psycopg.Error:
+        listener.close()
+
+
+async def _unlisten_async(listener: psycopg.AsyncConnection[Any]) -> None:
+    try:
+        await listener.execute(_UNLISTEN)
+    except psycopg.Error:
+        await listener.close()
+
+
 # how long past its timeout a wait may go on for the database's answer before it is cut off
 _ANSWER_GRACE = 1.0
 
@@ -363,6 +388,7 @@ class Client:
         self._bounded: psycopg.Connection[Any] | None = None
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
+        self._listen_statement: sql.Composed | None = None
         self._warned: dict[tuple[str, str], float] = {}
         # libpq options bounding the connections opened now (the client's timeout, or a
         # wait's)
@@ -507,8 +533,26 @@ class Client:
             self._connect_bound = _connect_bound(self.timeout)
 
     def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
+        run = self.get(run_id)
+        if _reached(run, wanted):
+            return run
+        listener = self._listen()
+        try:
+            run = self._wait_listening(run_id, wanted, timeout)
+        except RunTimeout:
+            _unlisten(listener)
+            raise
+        except BaseException:
+            listener.close()  # it may hang, or still listen: the next wait opens another
+            raise
+        _unlisten(listener)
+        return run
+
+    def _wait_listening(self, run_id: str, wanted: Collection[str], timeout: float | None
+                        ) -> Run:
         pauses = _poll_pauses(timeout)
         while True:
+            # read again once listening: a finish before the LISTEN notified nobody here
             run = self.get(run_id)
             if _reached(run, wanted):
                 return run
@@ -519,13 +563,22 @@ class Client:
                 raise RunTimeout(_timeout_message(run, timeout, served))
             self._until_finished(run_id, pause)
 
+    def _listen(self) -> psycopg.Connection[Any]:
+        """The listener connection (opened on first use), listening for finished runs."""
+        listener = self._listener
+        if listener is None or listener.closed:
+            listener = self._listener = psycopg.connect(self.dsn, autocommit=True,
+                                                        **self._connect_bound)
+        if self._listen_statement is None:
+            row = listener.execute(self.calls.finished_channel).fetchone()
+            assert row is not None
+            self._listen_statement = _listen_to(row[0])
+        listener.execute(self._listen_statement)
+        return listener
+
     def _until_finished(self, run_id: str, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the NOTIFY that says ``run_id`` finished."""
-        if self._listener is None or self._listener.closed:
-            self._listener = psycopg.connect(self.dsn, autocommit=True, **self._connect_bound)
-            channel = self._listener.execute(self.calls.finished_channel).fetchone()
-            assert channel is not None
-            self._listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel[0])))
+        assert self._listener is not None
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             for notice in self._listener.notifies(timeout=left, stop_after=1):
@@ -641,6 +694,7 @@ class AsyncClient:
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._bounded: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
+        self._listen_statement: sql.Composed | None = None
         self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -754,6 +808,25 @@ class AsyncClient:
             raise RunTimeout(_silent_message(run_id, timeout)) from exc
 
     async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
+        """See :meth:`Client._wait`."""
+        run = await self.get(run_id)
+        if _reached(run, wanted):
+            return run
+        listener = await self._listen()
+        try:
+            run = await self._wait_listening(run_id, wanted, timeout)
+        except RunTimeout:
+            await _unlisten_async(listener)
+            raise
+        except BaseException:
+            await listener.close()
+            raise
+        await _unlisten_async(listener)
+        return run
+
+    async def _wait_listening(self, run_id: str, wanted: Collection[str],
+                              timeout: float | None) -> Run:
+        """See :meth:`Client._wait_listening`."""
         pauses = _poll_pauses(timeout)
         while True:
             run = await self.get(run_id)
@@ -766,14 +839,22 @@ class AsyncClient:
                 raise RunTimeout(_timeout_message(run, timeout, served))
             await self._until_finished(run_id, pause)
 
+    async def _listen(self) -> psycopg.AsyncConnection[Any]:
+        """See :meth:`Client._listen`."""
+        listener = self._listener
+        if listener is None or listener.closed:
+            listener = self._listener = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True)
+        if self._listen_statement is None:
+            row = await (await listener.execute(self.calls.finished_channel)).fetchone()
+            assert row is not None
+            self._listen_statement = _listen_to(row[0])
+        await listener.execute(self._listen_statement)
+        return listener
+
     async def _until_finished(self, run_id: str, timeout: float) -> None:
         """See :meth:`Client._until_finished`."""
-        if self._listener is None or self._listener.closed:
-            self._listener = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
-            cursor = await self._listener.execute(self.calls.finished_channel)
-            channel = await cursor.fetchone()
-            assert channel is not None
-            await self._listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel[0])))
+        assert self._listener is not None
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             async for notice in self._listener.notifies(timeout=left, stop_after=1):

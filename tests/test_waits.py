@@ -409,3 +409,52 @@ def test_client_wait_returns_when_the_run_finishes_not_at_the_next_poll(
             assert run.status == "completed" and run.finished_at is not None
             delays.append((returned - run.finished_at).total_seconds())
     assert max(delays) < 0.1, delays
+
+
+# 28 MB of notifications: far more than the socket buffers between a backend and its client
+_FLOOD_TRANSACTIONS, _FLOOD_EACH, _FLOOD_BYTES = 40, 100, 7000
+
+
+def _notification_queue_held(other: psycopg.Connection[Any]) -> float:
+    """Send a flood of distinct notifications on the finished-run channel, then the share of
+    the server's notification queue still held once nudges have let it be cleared."""
+    channel = scalar(other, "select flowly.finished_channel()")
+    for _ in range(_FLOOD_TRANSACTIONS):
+        other.execute("select pg_notify(%s, %s || g) from generate_series(1, %s) g",
+                      (channel, "x" * _FLOOD_BYTES, _FLOOD_EACH))
+    usage = 1.0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        other.execute("select pg_notify('flowly_test_nudge', '')")
+        usage = float(scalar(other, "select pg_notification_queue_usage()"))
+        if usage < 0.0005:
+            break
+        time.sleep(0.1)
+    return usage
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_client_that_waited_once_does_not_hold_back_the_database_s_notifications(
+    dsn: str, asynchronous: bool
+) -> None:
+    """A client keeps its listener connection between waits. Left listening, its backend is
+    sent every finished-run notification of the database while the client reads none: once
+    the socket is full the backend stalls, and the server's notification queue (8 GB, shared
+    by every session) can no longer be cleared past it, until NOTIFY fails everywhere. Held,
+    the 28 MB flood below stays queued: a share of about 0.003."""
+    with psycopg.connect(dsn, autocommit=True) as other:
+        if asynchronous:
+            async def scenario() -> float:
+                async with flowly.AsyncClient(dsn) as client:
+                    run_id = await client.start("nobody-serves-this")
+                    with pytest.raises(flowly.RunTimeout):
+                        await client.wait(run_id, timeout=0.2)
+                    return _notification_queue_held(other)
+            usage = asyncio.run(scenario())
+        else:
+            with flowly.Client(dsn) as client:
+                run_id = client.start("nobody-serves-this")
+                with pytest.raises(flowly.RunTimeout):
+                    client.wait(run_id, timeout=0.2)
+                usage = _notification_queue_held(other)
+    assert usage < 0.0005, f"{usage:.5f} of the notification queue held"
