@@ -242,6 +242,8 @@ class Calls:
         self.records_predate_branch_names = q("select {s}.records_predate_branch_names(%s)")
         self.heartbeat = q("select * from {s}.heartbeat(%s, %s, %s, %s)")
         self.fold_run_counts = q("select {s}.fold_run_counts()")
+        self.end_stalled_listeners = q("select * from {s}.end_stalled_listeners()")
+        self.record_listener = q("select {s}.record_listener(%s)")
         self.release = q("select {s}.release(%s, %s)")
         self.release_missed_handoffs = q("select {s}.release_missed_handoffs(%s, %s)")
         # the group-committed batches go in binary: psycopg dumps a long text array

@@ -398,6 +398,12 @@ select not exists (select from schema_migrations where version = 61) as apply_mi
     insert into schema_migrations (version, name) values (61, '0061_families_walked_by_index');
 \endif
 
+select not exists (select from schema_migrations where version = 62) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0062_frozen_workers_listeners_ended.sql
+    insert into schema_migrations (version, name) values (62, '0062_frozen_workers_listeners_ended');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

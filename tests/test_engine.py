@@ -529,9 +529,9 @@ def test_worker_survives_a_dropped_listener(dsn: str, client: flowly.Client,
                                             db: psycopg.Connection[Any]) -> None:
     """NOTIFY wakes an idle worker at once; if the LISTEN connection dies, the listener comes
     back and wakes it again."""
-    # the worker's listener (the client's own, for wait, listens on flowly_finished)
-    listeners = ("select pid from pg_stat_activity where datname = current_database()"
-                 " and query ilike 'listen %%flowly_handoff%%'")
+    # the worker's listener, as it records itself
+    listeners = ("select w.listener_pid from flowly.workers w"
+                 " join pg_stat_activity a on a.pid = w.listener_pid")
     # a poll interval far above what a loaded machine takes to run a run woken by NOTIFY
     # (2.1 s was seen under load against a 2 s bound with polls every 3 s)
     with running_worker(dsn, poll_interval=30):
@@ -591,7 +591,8 @@ def test_a_failed_engine_write_abandons_the_run_until_its_lease_expires(
                  what="b started")
         db.execute("select pg_terminate_backend(pid) from pg_stat_activity"
                    " where datname = current_database() and pid <> pg_backend_pid()"
-                   " and pid <> %s and query not ilike 'listen %%'",
+                   " and pid <> %s and pid not in (select listener_pid from flowly.workers"
+                   " where listener_pid is not null)",
                    (client.connection.info.backend_pid,))
         workflows.GATES[run_id].set()
         run = client.wait(run_id, timeout=30)

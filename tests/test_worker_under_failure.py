@@ -507,3 +507,40 @@ def test_a_worker_whose_row_another_transaction_holds_keeps_its_runs(dsn: str) -
         run = client.wait(run_id, timeout=20)
     assert run.status == "completed", run
     assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
+
+
+def _notification_queue_usage(conn: psycopg.Connection[Any]) -> float:
+    conn.execute("select pg_notify('flowly_test_nudge', '')")  # lets the queue be cleared
+    return float(scalar(conn, "select pg_notification_queue_usage()"))
+
+
+def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_ever(
+    dsn: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker frozen whole (SIGSTOP; a paused container, a stopped VM) stops reading its
+    listener. The server goes on sending that backend every NOTIFY of the database; once
+    the socket is full the backend stalls, and the server's notification queue, shared by
+    every session, cannot be cleared past it: it grows until NOTIFY fails everywhere, every
+    start with it. A live worker ends the listener of a worker past its lease once that
+    backend is stalled, and the frozen worker listens anew when it wakes."""
+    client = flowly.Client(dsn)
+    with app_worker_process(dsn, "--lease", "1.5") as frozen, \
+            psycopg.connect(dsn, autocommit=True) as other:
+        assert client.wait(client.start("echo", {"value": 1}), timeout=20).status == "completed"
+        frozen_id = scalar(other, "select id from flowly.workers")
+        frozen.signal(signal.SIGSTOP)
+        channel = scalar(other, "select flowly.wakeup_channel()")
+        for _ in range(40):  # 28 MB, far more than the socket buffers hold
+            other.execute("select pg_notify(%s, %s || g) from generate_series(1, 100) g",
+                          (channel, "x" * 7000))
+        time.sleep(0.5)
+        held = _notification_queue_usage(other)
+        assert held > 0.002, f"the frozen worker held only {held:.5f} of the queue"
+        with running_worker(dsn, lease=1.5):
+            wait_for(lambda: _notification_queue_usage(other) < 0.0005, timeout=20,
+                     what="the frozen worker's listener ended, the queue cleared")
+        frozen.signal(signal.SIGCONT)
+        assert client.wait(client.start("echo", {"value": 2}), timeout=20).status == "completed"
+        logged = frozen.stop()
+    assert "wake-up listener lost" in logged, logged
+    assert f"ended the listener of worker {frozen_id}" in caplog.text, caplog.text

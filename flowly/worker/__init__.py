@@ -738,12 +738,14 @@ class Worker:
             backoff = min(backoff * 2, 5.0)
 
     async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """LISTEN for wake-ups and for the runs handed to this worker."""
+        """LISTEN for wake-ups and for the runs handed to this worker, and record the
+        listening backend: other workers end it if this worker freezes (0062)."""
         wakeup = await (await conn.execute(self._calls.wakeup_channel)).fetchone()
         assert wakeup is not None
         for channel in (wakeup[0], self._handoff_channel):
             await conn.execute(psycopg.sql.SQL("listen {}").format(
                 psycopg.sql.Identifier(channel)))
+        await conn.execute(self._calls.record_listener, (self.worker_id,))
 
     async def _release_missed_handoffs(self) -> None:
         """Release the runs handed to this worker that it does not hold: handed off while it

@@ -141,6 +141,11 @@ class Heartbeat:
         for token in lost:
             self._loop.call_soon_threadsafe(self._on_lost, token)
         self._on_kept(kept, sent + self._lease)
+        for (worker,) in conn.execute(self._calls.end_stalled_listeners):
+            logger.warning(
+                "ended the listener of worker %s: frozen past its lease, it had stopped reading"
+                " and so held the server's notification queue, which every session shares",
+                worker)
         conn.execute(self._calls.fold_run_counts)  # upkeep of flowly.run_counts
 
     def _warn_if_loop_blocked(self, interval: float) -> None:
