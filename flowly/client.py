@@ -7,6 +7,7 @@ and so commits or rolls back with the caller's transaction.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -211,18 +212,23 @@ def _listen_to(channel: str) -> sql.Composed:
 _UNLISTEN = sql.SQL("unlisten *")
 
 
-def _unlisten(listener: psycopg.Connection[Any]) -> None:
-    try:
-        listener.execute(_UNLISTEN)
-    except psycopg.Error:
-        listener.close()
+def _until_finished(listener: psycopg.Connection[Any], run_id: str, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the NOTIFY that says ``run_id`` finished."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        for notice in listener.notifies(timeout=left, stop_after=1):
+            if notice.payload == run_id:
+                return
 
 
-async def _unlisten_async(listener: psycopg.AsyncConnection[Any]) -> None:
-    try:
-        await listener.execute(_UNLISTEN)
-    except psycopg.Error:
-        await listener.close()
+async def _until_finished_async(listener: psycopg.AsyncConnection[Any], run_id: str,
+                                timeout: float) -> None:
+    """See :func:`_until_finished`."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        async for notice in listener.notifies(timeout=left, stop_after=1):
+            if notice.payload == run_id:
+                return
 
 
 # how long past its timeout a wait may go on for the database's answer before it is cut off
@@ -389,6 +395,7 @@ class Client:
         # LISTENs for finished runs, opened by the first wait that has to wait
         self._listener: psycopg.Connection[Any] | None = None
         self._listen_statement: sql.Composed | None = None
+        self._waits = 0  # waits under way that listen on self._listener
         self._warned: dict[tuple[str, str], float] = {}
         # libpq options bounding the connections opened now (the client's timeout, or a
         # wait's)
@@ -538,18 +545,15 @@ class Client:
             return run
         listener = self._listen()
         try:
-            run = self._wait_listening(run_id, wanted, timeout)
-        except RunTimeout:
-            _unlisten(listener)
+            run = self._wait_listening(listener, run_id, wanted, timeout)
+        except BaseException as exc:
+            self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
             raise
-        except BaseException:
-            listener.close()  # it may hang, or still listen: the next wait opens another
-            raise
-        _unlisten(listener)
+        self._stop_listening(listener, orderly=True)
         return run
 
-    def _wait_listening(self, run_id: str, wanted: Collection[str], timeout: float | None
-                        ) -> Run:
+    def _wait_listening(self, listener: psycopg.Connection[Any], run_id: str,
+                        wanted: Collection[str], timeout: float | None) -> Run:
         pauses = _poll_pauses(timeout)
         while True:
             # read again once listening: a finish before the LISTEN notified nobody here
@@ -561,29 +565,49 @@ class Client:
                 served = self.is_served(run.workflow, run.queue) if run.status == "pending" \
                     else None
                 raise RunTimeout(_timeout_message(run, timeout, served))
-            self._until_finished(run_id, pause)
+            _until_finished(listener, run_id, pause)
 
     def _listen(self) -> psycopg.Connection[Any]:
-        """The listener connection (opened on first use), listening for finished runs."""
+        """The listener connection (opened on first use), listening for finished runs: the
+        first of the waits under way tells it to (see _UNLISTEN)."""
         listener = self._listener
-        if listener is None or listener.closed:
+        opened = listener is None or listener.closed
+        if opened:
             listener = self._listener = psycopg.connect(self.dsn, autocommit=True,
                                                         **self._connect_bound)
-        if self._listen_statement is None:
-            row = listener.execute(self.calls.finished_channel).fetchone()
-            assert row is not None
-            self._listen_statement = _listen_to(row[0])
-        listener.execute(self._listen_statement)
+        assert listener is not None
+        if opened or not self._waits:
+            try:
+                if self._listen_statement is None:
+                    row = listener.execute(self.calls.finished_channel).fetchone()
+                    assert row is not None
+                    self._listen_statement = _listen_to(row[0])
+                listener.execute(self._listen_statement)
+            except BaseException:
+                if not self._waits:
+                    self._drop_listener()
+                raise
+        self._waits += 1
         return listener
 
-    def _until_finished(self, run_id: str, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the NOTIFY that says ``run_id`` finished."""
-        assert self._listener is not None
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            for notice in self._listener.notifies(timeout=left, stop_after=1):
-                if notice.payload == run_id:
-                    return
+    def _stop_listening(self, listener: psycopg.Connection[Any], orderly: bool) -> None:
+        """The end of one wait: the last of those under way tells the listener to stop, or
+        closes it when the wait ended in disorder (cut off: it may hang, or still listen)."""
+        self._waits -= 1
+        if self._waits or listener is not self._listener:
+            return
+        if orderly:
+            try:
+                listener.execute(_UNLISTEN)
+                return
+            except psycopg.Error:
+                pass
+        self._drop_listener()
+
+    def _drop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
@@ -695,6 +719,8 @@ class AsyncClient:
         self._bounded: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
         self._listen_statement: sql.Composed | None = None
+        self._waits = 0  # waits under way that listen on self._listener
+        self._listening = asyncio.Lock()
         self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -814,18 +840,15 @@ class AsyncClient:
             return run
         listener = await self._listen()
         try:
-            run = await self._wait_listening(run_id, wanted, timeout)
-        except RunTimeout:
-            await _unlisten_async(listener)
+            run = await self._wait_listening(listener, run_id, wanted, timeout)
+        except BaseException as exc:
+            await self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
             raise
-        except BaseException:
-            await listener.close()
-            raise
-        await _unlisten_async(listener)
+        await self._stop_listening(listener, orderly=True)
         return run
 
-    async def _wait_listening(self, run_id: str, wanted: Collection[str],
-                              timeout: float | None) -> Run:
+    async def _wait_listening(self, listener: psycopg.AsyncConnection[Any], run_id: str,
+                              wanted: Collection[str], timeout: float | None) -> Run:
         """See :meth:`Client._wait_listening`."""
         pauses = _poll_pauses(timeout)
         while True:
@@ -837,29 +860,52 @@ class AsyncClient:
                 served = (await self.is_served(run.workflow, run.queue)
                           if run.status == "pending" else None)
                 raise RunTimeout(_timeout_message(run, timeout, served))
-            await self._until_finished(run_id, pause)
+            await _until_finished_async(listener, run_id, pause)
 
     async def _listen(self) -> psycopg.AsyncConnection[Any]:
-        """See :meth:`Client._listen`."""
-        listener = self._listener
-        if listener is None or listener.closed:
-            listener = self._listener = await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True)
-        if self._listen_statement is None:
-            row = await (await listener.execute(self.calls.finished_channel)).fetchone()
-            assert row is not None
-            self._listen_statement = _listen_to(row[0])
-        await listener.execute(self._listen_statement)
-        return listener
+        """See :meth:`Client._listen`. Waits gathered on one client take turns here, so they
+        share one listener and its LISTEN and UNLISTEN come in order."""
+        async with self._listening:
+            listener = self._listener
+            opened = listener is None or listener.closed
+            if opened:
+                listener = self._listener = await psycopg.AsyncConnection.connect(
+                    self.dsn, autocommit=True)
+            assert listener is not None
+            if opened or not self._waits:
+                try:
+                    if self._listen_statement is None:
+                        cursor = await listener.execute(self.calls.finished_channel)
+                        row = await cursor.fetchone()
+                        assert row is not None
+                        self._listen_statement = _listen_to(row[0])
+                    await listener.execute(self._listen_statement)
+                except BaseException:
+                    if not self._waits:
+                        await self._drop_listener()
+                    raise
+            self._waits += 1
+            return listener
 
-    async def _until_finished(self, run_id: str, timeout: float) -> None:
-        """See :meth:`Client._until_finished`."""
-        assert self._listener is not None
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            async for notice in self._listener.notifies(timeout=left, stop_after=1):
-                if notice.payload == run_id:
+    async def _stop_listening(self, listener: psycopg.AsyncConnection[Any],
+                              orderly: bool) -> None:
+        """See :meth:`Client._stop_listening`."""
+        async with self._listening:
+            self._waits -= 1
+            if self._waits or listener is not self._listener:
+                return
+            if orderly:
+                try:
+                    await listener.execute(_UNLISTEN)
                     return
+                except psycopg.Error:
+                    pass
+            await self._drop_listener()
+
+    async def _drop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.close()
 
     async def cancel(self, run_id: str) -> str:
         """See :meth:`Client.cancel`."""

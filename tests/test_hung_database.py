@@ -625,7 +625,7 @@ def test_a_hung_wakeup_listener_is_noticed_and_replaced(
     import tests.workflows  # noqa: F401  (registers "quick")
     dbname = str(conninfo_to_dict(dsn)["dbname"])
     with hanging_proxy(dsn) as proxy, running_worker(proxy.dsn, lease=2, poll_interval=20):
-        port = wait_for(lambda: client_port_of(db, "listen %", dbname),
+        port = wait_for(lambda: client_port_of(db, "%record_listener(%", dbname),
                         what="the worker's LISTEN connection")
         proxy.hang_backend(port)
         time.sleep(6)  # a couple of leases: time enough to notice a connection that is hung

@@ -458,3 +458,27 @@ def test_a_client_that_waited_once_does_not_hold_back_the_database_s_notificatio
                     client.wait(run_id, timeout=0.2)
                 usage = _notification_queue_held(other)
     assert usage < 0.0005, f"{usage:.5f} of the notification queue held"
+
+
+def test_waits_of_one_async_client_run_side_by_side_and_one_cancelled_leaves_the_rest(
+    dsn: str,
+) -> None:
+    """Gathered waits share the client's listener: each returns its run, a wait cancelled
+    midway does not cut the others off (it closed the shared listener under them once), and
+    when the last one is done the listener no longer listens."""
+    async def scenario() -> tuple[list[flowly.Run], float]:
+        async with flowly.AsyncClient(dsn) as client:
+            runs = [await client.start("slow", {"seconds": s}) for s in (1.0, 1.5, 2.0)]
+            forever = await client.start("slow", {"seconds": 60})
+            waits = [asyncio.ensure_future(client.wait(r, timeout=30)) for r in runs]
+            abandoned = asyncio.ensure_future(client.wait(forever, timeout=30))
+            await asyncio.sleep(0.3)
+            abandoned.cancel()
+            done = await asyncio.gather(*waits)
+            with psycopg.connect(dsn, autocommit=True) as other:
+                return done, _notification_queue_held(other)
+
+    with running_worker(dsn, concurrency=8):
+        done, usage = asyncio.run(scenario())
+    assert [run.status for run in done] == ["completed"] * 3
+    assert usage < 0.0005, f"{usage:.5f} of the notification queue held"
