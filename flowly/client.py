@@ -30,6 +30,7 @@ from .db import (
     adapt_connection,
     check_schema_name,
     dumps_argument,
+    still_open,
     translated_errors,
 )
 from .errors import (
@@ -416,7 +417,9 @@ class Client:
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or not still_open(conn):
+            if conn is not None:
+                conn.close()
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
                                                 **self._connect_bound)
             adapt_connection(conn)
@@ -571,8 +574,10 @@ class Client:
         """The listener connection (opened on first use), listening for finished runs: the
         first of the waits under way tells it to (see _UNLISTEN)."""
         listener = self._listener
-        opened = listener is None or listener.closed
+        opened = listener is None or listener.closed or not (self._waits or still_open(listener))
         if opened:
+            if listener is not None:
+                listener.close()
             listener = self._listener = psycopg.connect(self.dsn, autocommit=True,
                                                         **self._connect_bound)
         assert listener is not None
@@ -763,7 +768,9 @@ class AsyncClient:
         """A call on the client's own connection, opened if need be."""
         with translated_errors():
             conn = self._conn
-            if conn is None or conn.closed:
+            if conn is None or not still_open(conn):
+                if conn is not None:
+                    await conn.close()
                 conn = self._conn = await psycopg.AsyncConnection.connect(
                     self.dsn, autocommit=True, row_factory=dict_row,
                     **_connect_bound(self.timeout))
@@ -867,8 +874,11 @@ class AsyncClient:
         share one listener and its LISTEN and UNLISTEN come in order."""
         async with self._listening:
             listener = self._listener
-            opened = listener is None or listener.closed
+            opened = (listener is None or listener.closed
+                      or not (self._waits or still_open(listener)))
             if opened:
+                if listener is not None:
+                    await listener.close()
                 listener = self._listener = await psycopg.AsyncConnection.connect(
                     self.dsn, autocommit=True)
             assert listener is not None

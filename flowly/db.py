@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -142,6 +143,26 @@ def adapt_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any
     (purge's about runs it had to keep, say), which psycopg drops when nobody handles them."""
     deep_json.use_on(conn)
     conn.add_notice_handler(_log_if_warning)
+
+
+def still_open(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether an idle connection can take a call: not closed, and not ended by the server
+    meanwhile (a restart, a failover or a terminated backend sends its farewell and closes
+    the socket). Told from what already arrived, without a round trip, so a call is never
+    sent on a connection known to be dead, nor a live one made slower."""
+    if conn.closed:
+        return False
+    pgconn = conn.pgconn
+    try:
+        # a farewell is read first and the end of the stream by the read after it; a live
+        # connection has nothing left to read after one (a notification, a notice)
+        for _ in range(3):
+            if not select.select([pgconn.socket], [], [], 0)[0]:
+                break
+            pgconn.consume_input()
+    except (psycopg.OperationalError, OSError, ValueError):
+        return False
+    return pgconn.status == psycopg.pq.ConnStatus.OK
 
 
 def _log_if_warning(notice: psycopg.errors.Diagnostic) -> None:

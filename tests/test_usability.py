@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 import flowly
 from flowly.client import list_runs_query
+from tests.support import wait_for
 
 
 def test_a_workflow_that_is_not_async_def_is_refused_at_registration() -> None:
@@ -181,3 +183,51 @@ def test_list_runs_filters_are_index_conditions(db: psycopg.Connection[Any],
     plan = generic_plan(db, query, params)
     assert "Index Cond:" in plan and index_cond in plan.split("Index Cond:", 1)[1], plan
     assert "Sort" not in plan, plan  # the index gives the newest first
+
+
+def _end_other_backends(db: psycopg.Connection[Any]) -> None:
+    """End every other session of the test's database, as a server restart or a failover
+    does, and wait until they are gone."""
+    pids = [pid for (pid,) in db.execute(
+        "select pid from pg_stat_activity where datname = current_database()"
+        " and pid <> pg_backend_pid()")]
+    assert pids, "the client has no connection open"
+    db.execute("select pg_terminate_backend(pid) from unnest(%s::int[]) pid", (pids,))
+    wait_for(lambda: not db.execute("select from pg_stat_activity where pid = any(%s)",
+                                    (pids,)).fetchall(), what="the sessions ended")
+    time.sleep(0.1)  # their farewells reach the client's sockets
+
+
+def test_a_client_whose_connections_the_server_dropped_while_idle_opens_new_ones(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """A server restart (or a failover, a pooler's restart, a terminated backend) ends the
+    connections a long-lived client holds idle. Its next call went out on the dead
+    connection and failed ("terminating connection due to administrator command"), and so
+    did the next wait. Each was told by the closed socket before anything was sent."""
+    with flowly.Client(dsn) as client:
+        run_id = client.start("nobody-serves-this")
+        with pytest.raises(flowly.RunTimeout):
+            client.wait(run_id, timeout=0.1)
+        _end_other_backends(db)
+        assert client.get(run_id).status == "pending"
+        with pytest.raises(flowly.RunTimeout):
+            client.wait(run_id, timeout=0.1)
+        _end_other_backends(db)
+        assert client.start("nobody-serves-this", run_id=run_id) == run_id
+
+
+def test_an_async_client_whose_connections_the_server_dropped_while_idle_opens_new_ones(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    async def scenario() -> None:
+        async with flowly.AsyncClient(dsn) as client:
+            run_id = await client.start("nobody-serves-this")
+            with pytest.raises(flowly.RunTimeout):
+                await client.wait(run_id, timeout=0.1)
+            _end_other_backends(db)
+            assert (await client.get(run_id)).status == "pending"
+            with pytest.raises(flowly.RunTimeout):
+                await client.wait(run_id, timeout=0.1)
+
+    asyncio.run(scenario())
