@@ -127,23 +127,49 @@ def pgqueuer_latency(server: str, runs: int) -> tuple[list[float], list[float]] 
     return [float(v) for v in result["ms"]], [float(v) for v in result["enqueue_ms"]]
 
 
+def side_by_side(dsn: str, server: str, runs: int, rounds: int
+                 ) -> tuple[list[float], list[float], list[float],
+                            tuple[list[float], list[float]] | None]:
+    """flowly's latencies (as flowly_latency) and pgqueuer's (as pgqueuer_latency), ``runs``
+    of each taken in ``rounds`` turns, so that a machine whose speed drifts during the
+    sitting (it is shared) weighs on both alike."""
+    first: list[float] = []
+    delay: list[float] = []
+    enqueue: list[float] = []
+    theirs: tuple[list[float], list[float]] | None = ([], [])
+    for turn in range(rounds):
+        share = runs // rounds + (1 if turn < runs % rounds else 0)
+        for samples, taken in zip((first, delay, enqueue), flowly_latency(dsn, share),
+                                  strict=True):
+            samples.extend(taken)
+        if theirs is not None:
+            round_theirs = pgqueuer_latency(server, share)
+            if round_theirs is None:
+                theirs = None
+            else:
+                theirs[0].extend(round_theirs[0])
+                theirs[1].extend(round_theirs[1])
+    return first, delay, enqueue, theirs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="turns flowly and pgqueuer take at the runs (4)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     server = resolve_dsn(args.dsn)
     dsn = fresh_database(server, "flowly_bench")
     flowly.install_dsn(dsn)
-    first, delay, enqueue = flowly_latency(dsn, args.runs)
+    first, delay, enqueue, theirs = side_by_side(dsn, server, args.runs, args.rounds)
     sync_first = flowly_latency(dsn, args.runs, SYNC_STEP)[0]
     rows = {"flowly enqueue -> first step": quantiles(first),
             "flowly the same, a sync step": quantiles(sync_first),
             "flowly start() call alone": quantiles(enqueue),
             "flowly Client.wait return delay": quantiles(delay)}
-    theirs = pgqueuer_latency(server, args.runs)
     if theirs:
         rows["pgqueuer enqueue -> job start"] = quantiles(theirs[0])
         rows["pgqueuer enqueue() call alone"] = quantiles(theirs[1])

@@ -4,9 +4,9 @@ Each repetition measures, back to back on the same server: the commit ceiling (p
 16 clients), flowly's throughput (three-step workflows with async and with sync steps at
 several concurrencies, two worker processes, one-step workflows), and each peer next to
 flowly on the same workload (DBOS Transact, Absurd, pgqueuer). Medians over the repetitions,
-ranges in brackets. Then, once: idle latency against pgqueuer's, the per-step cost of a
-1,000-step workflow, claim cost with a large history against empty tables, and a worker's
-memory over many runs.
+ranges in brackets. Then, once: idle latency against pgqueuer's (the two taking turns), the
+per-step cost of a 1,000-step workflow, claim cost with a large history against empty
+tables, and a worker's memory over many runs.
 
     python bench/suite.py                 # the full size (8 to 25 minutes on 2 cores)
     python bench/suite.py --size ci       # a small size for CI (CI=true picks it too)
@@ -38,12 +38,12 @@ from flowly.config import resolve_dsn
 
 SIZES = {
     "full": dict(runs=10_000, repeat=3, concurrency=[16, 64, 256], peer_runs=3_000,
-                 peer_timeout=40.0, latency_runs=200, steps=1000, finished=1_000_000,
-                 sleeping=300_000, foreign=300_000, claim_rounds=200, memory_runs=100_000,
-                 ceiling_seconds=10.0),
+                 peer_timeout=40.0, latency_runs=400, latency_rounds=4, steps=1000,
+                 finished=1_000_000, sleeping=300_000, foreign=300_000, claim_rounds=200,
+                 memory_runs=100_000, ceiling_seconds=10.0),
     "ci": dict(runs=600, repeat=1, concurrency=[16, 256], peer_runs=300, peer_timeout=20.0,
-               latency_runs=30, steps=200, finished=20_000, sleeping=5_000, foreign=5_000,
-               claim_rounds=30, memory_runs=3_000, ceiling_seconds=2.0),
+               latency_runs=30, latency_rounds=1, steps=200, finished=20_000, sleeping=5_000,
+               foreign=5_000, claim_rounds=30, memory_runs=3_000, ceiling_seconds=2.0),
 }
 SECTIONS = ("ceiling", "throughput", "peers", "latency", "steps", "claim", "memory")
 
@@ -221,9 +221,9 @@ def main() -> None:
 
     if "latency" not in skip:
         note("latency")
-        first, delay, enqueue = latency.flowly_latency(dsn, size["latency_runs"])
+        first, delay, enqueue, theirs = latency.side_by_side(
+            dsn, server, size["latency_runs"], size["latency_rounds"])
         q1, q2 = latency.quantiles(first), latency.quantiles(delay)
-        theirs = latency.pgqueuer_latency(server, size["latency_runs"])
         q3 = latency.quantiles(theirs[0]) if theirs else None
         for p in ("p50", "p95", "p99"):
             r = q1[p] / q3[p] if q3 else None
