@@ -149,10 +149,22 @@ def still_open(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> 
     """Whether an idle connection can take a call: not closed, and not ended by the server
     meanwhile (a restart, a failover or a terminated backend sends its farewell and closes
     the socket). Told from what already arrived, without a round trip, so a call is never
-    sent on a connection known to be dead, nor a live one made slower."""
+    sent on a connection known to be dead, nor a live one made slower. A connection busy
+    with a call of another thread or task is left alone: that call learns what became of it."""
     if conn.closed:
         return False
-    pgconn = conn.pgconn
+    if isinstance(conn, psycopg.AsyncConnection):
+        # the loop's one thread: nothing else uses the connection until this returns
+        return conn.lock.locked() or _not_ended(conn.pgconn)
+    if not conn.lock.acquire(blocking=False):
+        return True
+    try:
+        return _not_ended(conn.pgconn)
+    finally:
+        conn.lock.release()
+
+
+def _not_ended(pgconn: psycopg.pq.abc.PGconn) -> bool:
     try:
         # a farewell is read first and the end of the stream by the read after it; a live
         # connection has nothing left to read after one (a notification, a notice)

@@ -231,3 +231,19 @@ def test_an_async_client_whose_connections_the_server_dropped_while_idle_opens_n
                 await client.wait(run_id, timeout=0.1)
 
     asyncio.run(scenario())
+
+
+def test_one_client_shared_by_threads_serves_them_all(dsn: str) -> None:
+    """A client shared by a web server's threads: their calls take turns on its connection
+    (psycopg's lock), and the look for a connection the server ended leaves one that another
+    thread is using alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with flowly.Client(dsn) as client:
+        def calls(n: int) -> list[str]:
+            ids = [client.start("nobody-serves-this", {"n": n, "i": i}) for i in range(30)]
+            return [client.get(run_id).status for run_id in ids]
+
+        with ThreadPoolExecutor(8) as pool:
+            statuses = [s for batch in pool.map(calls, range(8)) for s in batch]
+    assert statuses == ["pending"] * 240
