@@ -404,6 +404,12 @@ select not exists (select from schema_migrations where version = 62) as apply_mi
     insert into schema_migrations (version, name) values (62, '0062_frozen_workers_listeners_ended');
 \endif
 
+select not exists (select from schema_migrations where version = 63) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0063_purge_past_deferred_references.sql
+    insert into schema_migrations (version, name) values (63, '0063_purge_past_deferred_references');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

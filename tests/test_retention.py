@@ -190,6 +190,30 @@ def test_purge_keeps_a_run_a_table_of_the_application_references_and_deletes_the
     assert scalar(db, "select flowly.purge('1 day')") == 0
 
 
+@pytest.mark.parametrize("deferred", ["initially deferred", "initially immediate"])
+def test_purge_keeps_a_run_a_deferrable_foreign_key_references_and_deletes_the_rest(
+    db: psycopg.Connection[Any], deferred: str
+) -> None:
+    """The same with the key DEFERRABLE (as Django makes every foreign key): checked at
+    commit, the violation came after purge could catch it, and failed the whole transaction,
+    so every purge failed on the same oldest batch. Purge checks such keys at once within
+    its own statements, and leaves the key's mode as it was for the rest of the
+    transaction."""
+    _history(db, 5)
+    db.execute("create table public.orders (id int, run_id text references flowly.runs (id)"
+               f" deferrable {deferred})")
+    db.execute("insert into public.orders values (1, 'old-2')")
+    assert scalar(db, "select flowly.purge('1 day')") == 4
+    assert [r[0] for r in db.execute("select id from flowly.runs")] == ["old-2"]
+    inserted = False
+    with pytest.raises(psycopg.errors.ForeignKeyViolation), db.transaction():
+        assert scalar(db, "select flowly.purge('1 day')") == 0
+        db.execute("insert into public.orders values (2, 'no-such-run')")
+        inserted = True
+    # a deferred key is still checked at the commit, an immediate one at the statement
+    assert inserted == (deferred == "initially deferred")
+
+
 @pytest.mark.parametrize(("call", "problem"), [
     ("flowly.purge(null)", "older_than"),
     ("flowly.purge('-1 day')", "older_than"),
