@@ -410,6 +410,12 @@ select not exists (select from schema_migrations where version = 63) as apply_mi
     insert into schema_migrations (version, name) values (63, '0063_purge_past_deferred_references');
 \endif
 
+select not exists (select from schema_migrations where version = 64) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0064_run_counts_folded_past_held_locks.sql
+    insert into schema_migrations (version, name) values (64, '0064_run_counts_folded_past_held_locks');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

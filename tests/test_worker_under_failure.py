@@ -509,6 +509,26 @@ def test_a_worker_whose_row_another_transaction_holds_keeps_its_runs(dsn: str) -
     assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
 
 
+def test_a_worker_keeps_its_runs_while_another_transaction_holds_the_run_count_totals(
+    dsn: str,
+) -> None:
+    """Each beat folds the finished-run counters into flowly.run_count_totals after it
+    extends the leases. With that table locked elsewhere the fold waited, the beat was cut off
+    after 2 s and the next one came on a new connection: beats 2 s apart, a 1.5 s lease
+    lapsed under a live worker, and the 4 s step ran 3 times."""
+    _LONG_STEP_CALLS.clear()
+    client = flowly.Client(dsn)
+    run_id = client.start("wuf_four_second_step")
+    with running_worker(dsn, workflows=[wuf_four_second_step], lease=1.5):
+        wait_for(lambda: _LONG_STEP_CALLS, what="the step started")
+        with psycopg.connect(dsn) as holder:
+            holder.execute("lock table flowly.run_count_totals in exclusive mode")
+            time.sleep(4.5)  # three leases
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed", run
+    assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
+
+
 def _notification_queue_usage(conn: psycopg.Connection[Any]) -> float:
     conn.execute("select pg_notify('flowly_test_nudge', '')")  # lets the queue be cleared
     return float(scalar(conn, "select pg_notification_queue_usage()"))
