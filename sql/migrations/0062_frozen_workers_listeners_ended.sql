@@ -2,11 +2,11 @@
 -- notification queue.
 --
 -- A worker stopped by SIGSTOP, a paused container or a suspended VM stops reading its listener
--- connection. The server goes on sending that backend every NOTIFY of the database (PostgreSQL
--- signals every listener of a database at every commit that notifies); once the socket is
--- full the backend stalls writing to it, and the notification queue, which all sessions of
--- the server share, cannot be cleared past the place it stalled at. The queue grows by every
--- start and finish until it is full (8 GB), and then every NOTIFY fails, every start with it.
+-- connection. The server goes on sending that backend the notifications of its channels (the
+-- wake-up every start sends); once the socket is full the backend stalls writing to it, and
+-- the notification queue, which all sessions of the server share, cannot be cleared past the
+-- place it stalled at. The queue grows by every start and finish until it is full (8 GB), and
+-- then every NOTIFY fails, every start with it.
 --
 -- A worker now records its listener's backend when it listens (record_listener): the pid and
 -- the backend's start time, so that a pid the server gives to a later backend is never taken
