@@ -557,7 +557,7 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
         held = _notification_queue_usage(other)
         assert held > 0.002, f"the frozen worker held only {held:.5f} of the queue"
         with running_worker(dsn, lease=1.5):
-            wait_for(lambda: _notification_queue_usage(other) < 0.0005, timeout=20,
+            wait_for(lambda: _notification_queue_usage(other) < 0.0005, timeout=30,
                      what="the frozen worker's listener ended, the queue cleared")
         frozen.signal(signal.SIGCONT)
         assert client.wait(client.start("echo", {"value": 2}), timeout=20).status == "completed"
