@@ -546,29 +546,37 @@ class Client:
         run = self.get(run_id)
         if _reached(run, wanted):
             return run
-        listener = self._listen()
+        pauses = _poll_pauses(timeout)
+        listener: psycopg.Connection[Any] | None = self._listen()
         try:
-            run = self._wait_listening(listener, run_id, wanted, timeout)
+            while True:
+                # read again once listening: a finish before the LISTEN notified nobody here
+                run = self.get(run_id)
+                if _reached(run, wanted):
+                    break
+                pause = next(pauses, None)
+                if pause is None:
+                    served = (self.is_served(run.workflow, run.queue)
+                              if run.status == "pending" else None)
+                    raise RunTimeout(_timeout_message(run, timeout, served))
+                assert listener is not None
+                try:
+                    _until_finished(listener, run_id, pause)
+                except psycopg.OperationalError:
+                    if not listener.closed:
+                        raise
+                    # the server ended it (idle_session_timeout ends a listener that waits
+                    # longer, as does a pooler or a restart): listen anew, read again
+                    self._stop_listening(listener, orderly=False)
+                    listener = None  # stopped once, whatever listening anew does
+                    listener = self._listen()
         except BaseException as exc:
-            self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
+            if listener is not None:
+                self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
             raise
+        assert listener is not None
         self._stop_listening(listener, orderly=True)
         return run
-
-    def _wait_listening(self, listener: psycopg.Connection[Any], run_id: str,
-                        wanted: Collection[str], timeout: float | None) -> Run:
-        pauses = _poll_pauses(timeout)
-        while True:
-            # read again once listening: a finish before the LISTEN notified nobody here
-            run = self.get(run_id)
-            if _reached(run, wanted):
-                return run
-            pause = next(pauses, None)
-            if pause is None:
-                served = self.is_served(run.workflow, run.queue) if run.status == "pending" \
-                    else None
-                raise RunTimeout(_timeout_message(run, timeout, served))
-            _until_finished(listener, run_id, pause)
 
     def _listen(self) -> psycopg.Connection[Any]:
         """The listener connection (opened on first use), listening for finished runs: the
@@ -845,29 +853,34 @@ class AsyncClient:
         run = await self.get(run_id)
         if _reached(run, wanted):
             return run
-        listener = await self._listen()
+        pauses = _poll_pauses(timeout)
+        listener: psycopg.AsyncConnection[Any] | None = await self._listen()
         try:
-            run = await self._wait_listening(listener, run_id, wanted, timeout)
+            while True:
+                run = await self.get(run_id)
+                if _reached(run, wanted):
+                    break
+                pause = next(pauses, None)
+                if pause is None:
+                    served = (await self.is_served(run.workflow, run.queue)
+                              if run.status == "pending" else None)
+                    raise RunTimeout(_timeout_message(run, timeout, served))
+                assert listener is not None
+                try:
+                    await _until_finished_async(listener, run_id, pause)
+                except psycopg.OperationalError:
+                    if not listener.closed:
+                        raise
+                    await self._stop_listening(listener, orderly=False)
+                    listener = None
+                    listener = await self._listen()
         except BaseException as exc:
-            await self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
+            if listener is not None:
+                await self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
             raise
+        assert listener is not None
         await self._stop_listening(listener, orderly=True)
         return run
-
-    async def _wait_listening(self, listener: psycopg.AsyncConnection[Any], run_id: str,
-                              wanted: Collection[str], timeout: float | None) -> Run:
-        """See :meth:`Client._wait_listening`."""
-        pauses = _poll_pauses(timeout)
-        while True:
-            run = await self.get(run_id)
-            if _reached(run, wanted):
-                return run
-            pause = next(pauses, None)
-            if pause is None:
-                served = (await self.is_served(run.workflow, run.queue)
-                          if run.status == "pending" else None)
-                raise RunTimeout(_timeout_message(run, timeout, served))
-            await _until_finished_async(listener, run_id, pause)
 
     async def _listen(self) -> psycopg.AsyncConnection[Any]:
         """See :meth:`Client._listen`. Waits gathered on one client take turns here, so they

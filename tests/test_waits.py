@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import flowly
 from tests.support import running_worker, scalar, wait_for, worker_process
@@ -484,3 +485,27 @@ def test_waits_of_one_async_client_run_side_by_side_and_one_cancelled_leaves_the
         done, usage = asyncio.run(scenario())
     assert [run.status for run in done] == ["completed"] * 3
     assert usage < 0.0005, f"{usage:.5f} of the notification queue held"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_wait_that_outlasts_the_server_s_idle_session_timeout_returns_the_run(
+    dsn: str, db: psycopg.Connection[Any], asynchronous: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``idle_session_timeout`` set (managed servers set it), the server ends a session
+    idle for that long, and a listener waiting for a notification is idle: the wait failed
+    with "server closed the connection unexpectedly" once its run outlasted the timeout. It
+    listens anew and goes on waiting. The worker's heartbeat, idle between beats, failed
+    each beat and logged it; it opens a new connection first."""
+    db.execute(sql.SQL("alter database {} set idle_session_timeout = 1000").format(
+        sql.Identifier(db.info.dbname)))
+
+    async def wait_async(run_id: str) -> flowly.Run:
+        async with flowly.AsyncClient(dsn) as aclient:
+            return await aclient.wait(run_id, timeout=30)
+
+    with running_worker(dsn, lease=4.5), flowly.Client(dsn) as client:  # a beat each 1.5 s
+        run_id = client.start("slow", {"seconds": 3.5})
+        run = asyncio.run(wait_async(run_id)) if asynchronous else client.wait(run_id, timeout=30)
+    assert run.status == "completed", run
+    assert "heartbeat failed" not in caplog.text, caplog.text

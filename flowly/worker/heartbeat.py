@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 
 from ..bounded_calls import Cutoff
-from ..db import Calls
+from ..db import Calls, still_open
 from . import session
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,10 @@ class Heartbeat:
             self._close()
 
     def _connection(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
+        # one the server ended between beats (idle_session_timeout, a restart) is replaced
+        # before the beat, which would otherwise fail on it and go again after a warning
+        if self._conn is None or not still_open(self._conn):
+            self._close()
             self._conn = psycopg.connect(self._dsn, **session.connection_kwargs(self._lease))
             session.configure(self._conn, self._lease)
         return self._conn
