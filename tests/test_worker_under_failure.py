@@ -492,37 +492,29 @@ def test_a_worker_starts_while_another_transaction_holds_a_dead_worker_s_row(
         "alive", "later"]
 
 
-def test_a_worker_whose_row_another_transaction_holds_keeps_its_runs(dsn: str) -> None:
-    """As above, end to end: with the worker's row held for longer than its lease, its
-    heartbeats failed, its run's lease lapsed and the worker took the run over from itself
-    again and again, running its step each time (4 times in a probe)."""
+@pytest.mark.parametrize("hold", [
+    # 0059: the worker's row held for longer than its lease: its heartbeats failed, its
+    # run's lease lapsed and the worker took the run over from itself again and again,
+    # running its step each time (4 times in a probe)
+    "select * from flowly.workers where id = 'held' for update",
+    # 0064: each beat folds the finished-run counters into run_count_totals after it
+    # extends the leases; with that table locked the fold waited, the beat was cut off after
+    # 2 s and the next came on a new connection: beats 2 s apart, so the 1.5 s lease lapsed
+    # under a live worker and the step ran 3 times
+    "lock table flowly.run_count_totals in exclusive mode",
+])
+def test_a_worker_keeps_its_runs_while_another_transaction_holds_what_its_beat_writes(
+    dsn: str, hold: str,
+) -> None:
+    """As above, end to end: a 4 s step under a 1.5 s lease runs once, whatever another
+    transaction holds for three leases."""
     _LONG_STEP_CALLS.clear()
     client = flowly.Client(dsn)
     run_id = client.start("wuf_four_second_step")
     with running_worker(dsn, workflows=[wuf_four_second_step], lease=1.5, worker_id="held"):
         wait_for(lambda: _LONG_STEP_CALLS, what="the step started")
         with psycopg.connect(dsn) as holder:
-            holder.execute("select * from flowly.workers where id = 'held' for update")
-            time.sleep(4.5)  # three leases
-        run = client.wait(run_id, timeout=20)
-    assert run.status == "completed", run
-    assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
-
-
-def test_a_worker_keeps_its_runs_while_another_transaction_holds_the_run_count_totals(
-    dsn: str,
-) -> None:
-    """Each beat folds the finished-run counters into flowly.run_count_totals after it
-    extends the leases. With that table locked elsewhere the fold waited, the beat was cut off
-    after 2 s and the next one came on a new connection: beats 2 s apart, a 1.5 s lease
-    lapsed under a live worker, and the 4 s step ran 3 times."""
-    _LONG_STEP_CALLS.clear()
-    client = flowly.Client(dsn)
-    run_id = client.start("wuf_four_second_step")
-    with running_worker(dsn, workflows=[wuf_four_second_step], lease=1.5):
-        wait_for(lambda: _LONG_STEP_CALLS, what="the step started")
-        with psycopg.connect(dsn) as holder:
-            holder.execute("lock table flowly.run_count_totals in exclusive mode")
+            holder.execute(hold)
             time.sleep(4.5)  # three leases
         run = client.wait(run_id, timeout=20)
     assert run.status == "completed", run
