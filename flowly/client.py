@@ -547,6 +547,7 @@ class Client:
         if _reached(run, wanted):
             return run
         pauses = _poll_pauses(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         listener: psycopg.Connection[Any] | None = self._listen()
         try:
             while True:
@@ -563,7 +564,9 @@ class Client:
                 try:
                     _until_finished(listener, run_id, pause)
                 except psycopg.OperationalError:
-                    if not listener.closed:
+                    # past the deadline it was the Cutoff that closed it (wait's timeout)
+                    if not listener.closed or (deadline is not None
+                                               and time.monotonic() >= deadline):
                         raise
                     # the server ended it (idle_session_timeout ends a listener that waits
                     # longer, as does a pooler or a restart): listen anew, read again
