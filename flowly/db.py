@@ -277,6 +277,10 @@ class Calls:
         self.fold_run_counts = q("select {s}.fold_run_counts()")
         self.end_stalled_listeners = q("select * from {s}.end_stalled_listeners()")
         self.record_listener = q("select {s}.record_listener(%s)")
+        # seconds; 0 when the server ends no idle session (or predates the setting, 14)
+        self.idle_session_timeout = sql.SQL(
+            "select extract(epoch from coalesce(nullif(current_setting("
+            "'idle_session_timeout', true), ''), '0')::interval)")
         self.release = q("select {s}.release(%s, %s)")
         self.release_missed_handoffs = q("select {s}.release_missed_handoffs(%s, %s)")
         # the group-committed batches go in binary: psycopg dumps a long text array

@@ -713,20 +713,22 @@ class Worker:
             try:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **session.connection_kwargs(self.lease)) as conn:
-                    await within(max(self.lease, 2.0), self._start_listening(conn))
+                    ping_every = await within(max(self.lease, 2.0),
+                                              self._start_listening(conn))
                     await self._release_missed_handoffs()
                     backoff = 0.1
                     self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
                     while True:
-                        async for notification in conn.notifies(timeout=self.lease):
+                        async for notification in conn.notifies(timeout=ping_every):
                             if notification.channel == self._handoff_channel:
                                 self._take_handoff(notification.payload)
                             else:
                                 self._wakeup.set()
                         # every lease, the connection must answer (in a couple of seconds
                         # at least, a busy server is no hung one): a hung backend or pooler
-                        # acknowledges the bytes, so no TCP timeout would tell it is gone
+                        # acknowledges the bytes, so no TCP timeout would tell it is gone;
+                        # more often where the server ends sessions idle for less
                         await within(max(self.lease, 2.0), conn.execute("select 1"))
             except (psycopg.Error, OSError) as exc:
                 logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
@@ -737,15 +739,21 @@ class Worker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> float:
         """LISTEN for wake-ups and for the runs handed to this worker, and record the
-        listening backend: other workers end it if this worker freezes (0062)."""
+        listening backend: other workers end it if this worker freezes (0062). Returns how
+        often the listener must show it is alive: every lease, and twice as often as the
+        server's ``idle_session_timeout`` where that is shorter (a listener is idle between
+        notifications, and the server would end it, over and over)."""
         wakeup = await (await conn.execute(self._calls.wakeup_channel)).fetchone()
         assert wakeup is not None
         for channel in (wakeup[0], self._handoff_channel):
             await conn.execute(psycopg.sql.SQL("listen {}").format(
                 psycopg.sql.Identifier(channel)))
+        row = await (await conn.execute(self._calls.idle_session_timeout)).fetchone()
+        idle_timeout = float(row[0]) if row is not None and row[0] else 0.0
         await conn.execute(self._calls.record_listener, (self.worker_id,))
+        return min(self.lease, idle_timeout / 2) if idle_timeout > 0 else self.lease
 
     async def _release_missed_handoffs(self) -> None:
         """Release the runs handed to this worker that it does not hold: handed off while it
