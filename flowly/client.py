@@ -30,6 +30,7 @@ from .db import (
     adapt_connection,
     check_schema_name,
     dumps_argument,
+    listen_to,
     still_open,
     translated_errors,
 )
@@ -200,10 +201,6 @@ def _poll_pauses(timeout: float | None) -> Iterator[float]:
             pause = min(pause, left)
         yield pause
         pause = min(pause * 2, _POLL_MAX)
-
-
-def _listen_to(channel: str) -> sql.Composed:
-    return sql.SQL("listen {}").format(sql.Identifier(channel))
 
 
 # A wait listens only while it waits. A backend left listening is sent every finished-run
@@ -597,7 +594,7 @@ class Client:
                 if self._listen_statement is None:
                     row = listener.execute(self.calls.finished_channel).fetchone()
                     assert row is not None
-                    self._listen_statement = _listen_to(row[0])
+                    self._listen_statement = listen_to(row[0])
                 listener.execute(self._listen_statement)
             except BaseException:
                 if not self._waits:
@@ -904,7 +901,7 @@ class AsyncClient:
                         cursor = await listener.execute(self.calls.finished_channel)
                         row = await cursor.fetchone()
                         assert row is not None
-                        self._listen_statement = _listen_to(row[0])
+                        self._listen_statement = listen_to(row[0])
                     await listener.execute(self._listen_statement)
                 except BaseException:
                     if not self._waits:

@@ -145,6 +145,11 @@ def adapt_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any
     conn.add_notice_handler(_log_if_warning)
 
 
+def listen_to(channel: str) -> sql.Composed:
+    """``LISTEN`` on ``channel`` (a name of flowly's, quoted as an identifier)."""
+    return sql.SQL("listen {}").format(sql.Identifier(channel))
+
+
 def still_open(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Whether an idle connection can take a call: not closed, and not ended by the server
     meanwhile (a restart, a failover or a terminated backend sends its farewell and closes

@@ -49,7 +49,7 @@ from ..context import (
     run_write,
     serialise_output,
 )
-from ..db import Calls, is_connection_failure, is_contention, translated_errors
+from ..db import Calls, is_connection_failure, is_contention, listen_to, translated_errors
 from ..errors import InvalidArgument, LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
 from ..render import one_line
@@ -748,8 +748,7 @@ class Worker:
         wakeup = await (await conn.execute(self._calls.wakeup_channel)).fetchone()
         assert wakeup is not None
         for channel in (wakeup[0], self._handoff_channel):
-            await conn.execute(psycopg.sql.SQL("listen {}").format(
-                psycopg.sql.Identifier(channel)))
+            await conn.execute(listen_to(channel))
         row = await (await conn.execute(self._calls.idle_session_timeout)).fetchone()
         idle_timeout = float(row[0]) if row is not None and row[0] else 0.0
         await conn.execute(self._calls.record_listener, (self.worker_id,))
