@@ -11,18 +11,21 @@
 -- back for the rest of the transaction. Lock order as in 0035.
 
 -- The deferrable foreign keys of any table that reference a table of this schema, named for
--- SET CONSTRAINTS; only_deferred: those deferred unless a transaction says otherwise.
-create function deferrable_references(p_only_deferred boolean) returns text
+-- SET CONSTRAINTS: all of them, and those deferred unless a transaction says otherwise.
+create function deferrable_references(out all_keys text, out deferred_keys text)
 language sql stable
 set search_path from current
 as $$
-    select string_agg(distinct format('%I.%I', n.nspname, c.conname), ', ')
-    from pg_constraint c
-    join pg_namespace n on n.oid = c.connamespace
-    join pg_class t on t.oid = c.confrelid
-    where c.contype = 'f' and c.condeferrable
-      and (c.condeferred or not p_only_deferred)
-      and t.relnamespace = current_schema()::regnamespace
+    select string_agg(distinct k.name, ', '),
+           string_agg(distinct k.name, ', ') filter (where k.deferred)
+    from (
+        select format('%I.%I', n.nspname, c.conname) as name, c.condeferred as deferred
+        from pg_constraint c
+        join pg_namespace n on n.oid = c.connamespace
+        join pg_class t on t.oid = c.confrelid
+        where c.contype = 'f' and c.condeferrable
+          and t.relnamespace = current_schema()::regnamespace
+    ) k
 $$;
 
 -- purge as in 0060, the deferrable keys checked at once while it deletes.
@@ -41,8 +44,8 @@ declare
     v_deleted integer;
     v_id text;
     v_kept text[] := '{}';
-    v_deferrable text := deferrable_references(false);
-    v_deferred text := deferrable_references(true);
+    v_deferrable text;
+    v_deferred text;
 begin
     if purge.older_than is null or purge.older_than < interval '0' then
         raise exception 'older_than must be an interval of zero or more, got %',
@@ -86,6 +89,8 @@ begin
         -- a round is complete: the next call begins one from the oldest
         delete from purge_positions p where p.status = any(v_statuses);
     end if;
+    select k.all_keys, k.deferred_keys into v_deferrable, v_deferred
+    from deferrable_references() k;
     if v_deferrable is not null then
         execute 'set constraints ' || v_deferrable || ' immediate';
     end if;
