@@ -144,6 +144,22 @@ def kill_at_work(dsn: str, db: psycopg.Connection[Any], *args: str, pause: float
         worker.kill()
 
 
+def flood_notifications(conn: psycopg.Connection[Any], channel: str) -> None:
+    """28 MB of notifications on ``channel``, far more than the socket buffers between a
+    backend and its client hold; distinct, since the server sends equal ones of one
+    transaction once."""
+    for _ in range(40):
+        conn.execute("select pg_notify(%s, %s || g) from generate_series(1, 100) g",
+                     (channel, "x" * 7000))
+
+
+def notification_queue_usage(conn: psycopg.Connection[Any]) -> float:
+    """The share of the server's notification queue in use, once a nudge has let the server
+    clear what every listener has read."""
+    conn.execute("select pg_notify('flowly_test_nudge', '')")
+    return float(scalar(conn, "select pg_notification_queue_usage()"))
+
+
 def claim_as(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dict[str, int]:
     """Claim up to ``limit`` runs of ``workflow`` for a worker named w, as a worker would from
     SQL (a lease of an hour); their lease epochs by run id."""

@@ -16,7 +16,14 @@ import pytest
 from psycopg import sql
 
 import flowly
-from tests.support import running_worker, scalar, wait_for, worker_process
+from tests.support import (
+    flood_notifications,
+    notification_queue_usage,
+    running_worker,
+    scalar,
+    wait_for,
+    worker_process,
+)
 
 
 def _parked(db: psycopg.Connection[Any], run_id: str) -> bool:
@@ -412,24 +419,16 @@ def test_client_wait_returns_when_the_run_finishes_not_at_the_next_poll(
     assert max(delays) < 0.1, delays
 
 
-# 28 MB of notifications: far more than the socket buffers between a backend and its client
-_FLOOD_TRANSACTIONS, _FLOOD_EACH, _FLOOD_BYTES = 40, 100, 7000
-
-
 def _notification_queue_held(other: psycopg.Connection[Any]) -> float:
-    """Send a flood of distinct notifications on the finished-run channel, then the share of
-    the server's notification queue still held once nudges have let it be cleared. The queue
-    is the whole server's: another test may hold it for a few seconds (the frozen worker of
+    """Send a flood of notifications on the finished-run channel, then the share of the
+    server's notification queue still held once nudges have let it be cleared. The queue is
+    the whole server's: another test may hold it for a few seconds (the frozen worker of
     test_worker_under_failure's, until a live worker ends its listener), hence the patience."""
-    channel = scalar(other, "select flowly.finished_channel()")
-    for _ in range(_FLOOD_TRANSACTIONS):
-        other.execute("select pg_notify(%s, %s || g) from generate_series(1, %s) g",
-                      (channel, "x" * _FLOOD_BYTES, _FLOOD_EACH))
+    flood_notifications(other, scalar(other, "select flowly.finished_channel()"))
     usage = 1.0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        other.execute("select pg_notify('flowly_test_nudge', '')")
-        usage = float(scalar(other, "select pg_notification_queue_usage()"))
+        usage = notification_queue_usage(other)
         if usage < 0.0005:
             break
         time.sleep(0.1)

@@ -23,7 +23,16 @@ from psycopg import sql
 
 import flowly
 from flowly.schema import INSTALL_LOCK_KEY
-from tests.support import WorkerProcess, claim_as, freezable_proxy, running_worker, scalar, wait_for
+from tests.support import (
+    WorkerProcess,
+    claim_as,
+    flood_notifications,
+    freezable_proxy,
+    notification_queue_usage,
+    running_worker,
+    scalar,
+    wait_for,
+)
 from tests.support import worker_process as app_worker_process
 
 # -- workflows ------------------------------------------------------------------------------
@@ -521,11 +530,6 @@ def test_a_worker_keeps_its_runs_while_another_transaction_holds_what_its_beat_w
     assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
 
 
-def _notification_queue_usage(conn: psycopg.Connection[Any]) -> float:
-    conn.execute("select pg_notify('flowly_test_nudge', '')")  # lets the queue be cleared
-    return float(scalar(conn, "select pg_notification_queue_usage()"))
-
-
 def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_ever(
     dsn: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -541,15 +545,12 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
         assert client.wait(client.start("echo", {"value": 1}), timeout=20).status == "completed"
         frozen_id = scalar(other, "select id from flowly.workers")
         frozen.signal(signal.SIGSTOP)
-        channel = scalar(other, "select flowly.wakeup_channel()")
-        for _ in range(40):  # 28 MB, far more than the socket buffers hold
-            other.execute("select pg_notify(%s, %s || g) from generate_series(1, 100) g",
-                          (channel, "x" * 7000))
+        flood_notifications(other, scalar(other, "select flowly.wakeup_channel()"))
         time.sleep(0.5)
-        held = _notification_queue_usage(other)
+        held = notification_queue_usage(other)
         assert held > 0.002, f"the frozen worker held only {held:.5f} of the queue"
         with running_worker(dsn, lease=1.5):
-            wait_for(lambda: _notification_queue_usage(other) < 0.0005, timeout=30,
+            wait_for(lambda: notification_queue_usage(other) < 0.0005, timeout=30,
                      what="the frozen worker's listener ended, the queue cleared")
         frozen.signal(signal.SIGCONT)
         assert client.wait(client.start("echo", {"value": 2}), timeout=20).status == "completed"
