@@ -416,6 +416,12 @@ select not exists (select from schema_migrations where version = 64) as apply_mi
     insert into schema_migrations (version, name) values (64, '0064_run_counts_folded_past_held_locks');
 \endif
 
+select not exists (select from schema_migrations where version = 65) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0065_starts_handed_off_in_fewer_steps.sql
+    insert into schema_migrations (version, name) values (65, '0065_starts_handed_off_in_fewer_steps');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

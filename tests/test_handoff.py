@@ -257,6 +257,30 @@ def test_runs_that_must_not_be_handed_off_go_the_claim_way(
     assert scalar(db, "select count(*) from flowly.handoff_slots") == 0
 
 
+def test_a_start_of_a_run_already_handed_off_sends_nothing_and_leaves_the_slot_offered(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A start takes a slot before it knows whether it can write its run; one that finds its
+    run id taken (here by a run handed to the same worker, still on its first lease) gives
+    the slot back: the slot stays offered, and the run the id names is not sent again, in
+    autocommit or inside a longer transaction that starts another run after it."""
+    offer_as(db, "ghost", "echo", "1 hour")
+    first = client.start("echo", {"value": 1})
+    assert scalar(db, "select locked_by from flowly.runs where id = %s", first) == "ghost"
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute('listen "ghost_channel"')
+        offer_as(db, "ghost", "echo", "1 hour")
+        slot = scalar(db, "select id from flowly.handoff_slots")
+        assert client.start("echo", {"value": 2}, run_id=first) == first
+        assert scalar(db, "select id from flowly.handoff_slots where handed_run_id is null") == slot
+        with psycopg.connect(dsn) as tx:
+            assert scalar(tx, "select flowly.start('echo', run_id => %s)", first) == first
+            second = scalar(tx, "select flowly.start('echo', '{\"value\": 3}')")
+        sent = [n.payload for n in listener.notifies(timeout=1.0)]
+    assert len(sent) == 1 and second in sent[0] and first not in sent[0]
+    assert scalar(db, "select count(*) from flowly.handoff_slots") == 0
+    assert scalar(db, "select locked_by from flowly.runs where id = %s", second) == "ghost"
+
+
 def test_notifications_that_are_not_hand_offs_do_not_hurt_a_worker(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
         caplog: pytest.LogCaptureFixture) -> None:
