@@ -723,6 +723,7 @@ class Worker:
                         async for notification in conn.notifies(timeout=ping_every):
                             if notification.channel == self._handoff_channel:
                                 self._take_handoff(notification.payload)
+                                await asyncio.sleep(0)
                             else:
                                 self._wakeup.set()
                         # every lease, the connection must answer (in a couple of seconds
