@@ -82,11 +82,13 @@ def server_version(dsn: str) -> str:
 class Child:
     """A worker process speaking the ready/go/stop protocol."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None,
+                 root: Path = ROOT) -> None:
+        """``root``: the checkout whose code the child runs (this one by default)."""
         self.proc = subprocess.Popen(
             [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+            stderr=subprocess.PIPE, text=True, cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
 
     @property
     def pid(self) -> int:
