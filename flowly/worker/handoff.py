@@ -63,7 +63,7 @@ def parse_handoff(payload: str) -> HandOff | None:
             ClaimedRun(
                 run_id=str(fields["run_id"]),
                 workflow=str(fields["workflow"]),
-                # only new runs are handed off (insert_handed_off_run)
+                # only new runs are handed off (hand_off)
                 status="running",
                 input=fields["input"],
                 attempt=int(fields["attempt"]),
