@@ -15,7 +15,7 @@ import pytest
 
 import flowly
 import flowly.worker as flowly_worker
-from tests.support import running_worker, scalar, wait_for
+from tests.support import offer_as, running_worker, scalar, wait_for
 
 
 def sqlstate_of(db: psycopg.Connection[Any], query: str, *params: Any) -> str | None:
@@ -109,6 +109,54 @@ def test_a_python_delay_or_timeout_past_the_end_of_time_is_invalid_argument(dsn:
         for option in ("delay", "timeout"):
             with pytest.raises(flowly.InvalidArgument):
                 client.start("quick", {}, **{option: timedelta(days=999_999_999)})
+
+
+# start's arguments on each side of each bound: (arguments, refused). Names count bytes, not
+# characters ('é' is two); times are readable from the year 1 to before the year 10000.
+START_BOUNDS = [
+    ("workflow => repeat('é', 500)", False),
+    ("workflow => repeat('é', 500) || 'x'", True),
+    ("workflow => ''", True),
+    ("workflow => null", True),
+    ("workflow => 'quick', run_id => repeat('é', 500)", False),
+    ("workflow => 'quick', run_id => repeat('é', 501)", True),
+    ("workflow => 'quick', run_id => ''", True),
+    ("workflow => 'quick', queue => repeat('é', 500)", False),
+    ("workflow => 'quick', queue => repeat('é', 500) || 'x'", True),
+    ("workflow => 'quick', queue => ''", True),
+    ("workflow => 'quick', concurrency_key => repeat('é', 500)", False),
+    ("workflow => 'quick', concurrency_key => repeat('é', 500) || 'x'", True),
+    ("workflow => 'quick', concurrency_key => ''", True),
+    ("workflow => 'quick', scheduled_for => '0001-01-02 00:00+00'", False),
+    ("workflow => 'quick', scheduled_for => '0001-01-01 23:59:59.999999+00'", True),
+    ("workflow => 'quick', scheduled_for => '9999-12-31 23:59:59.999999+00'", False),
+    ("workflow => 'quick', scheduled_for => '10000-01-01 00:00+00'", True),
+    ("workflow => 'quick', scheduled_for => 'infinity'", True),
+    ("workflow => 'quick', max_attempts => 1", False),
+    ("workflow => 'quick', max_attempts => 0", True),
+    ("workflow => 'quick', max_attempts => null", True),
+    ("workflow => 'quick', timeout => '1 microsecond'", False),
+    ("workflow => 'quick', timeout => '0'", True),
+    ("workflow => 'quick', timeout => '-1 second'", True),
+    ("workflow => 'quick', scheduled_for => '9999-12-31 00:00+00', timeout => '23:59:59'", False),
+    ("workflow => 'quick', scheduled_for => '9999-12-31 00:00+00', timeout => '24:00:00'", True),
+    ("workflow => 'quick', parent_step => 's'", True),
+]
+
+
+@pytest.mark.parametrize("arguments, refused", START_BOUNDS)
+@pytest.mark.parametrize("idle_worker", [False, True])
+def test_start_refuses_each_argument_just_past_its_bound_and_takes_it_just_within(
+    db: psycopg.Connection[Any], arguments: str, refused: bool, idle_worker: bool
+) -> None:
+    """start tells most starts valid by one expression (0065) and checks the others one by
+    one: a value just past a bound must take the checks' way (WF003, nothing written), a
+    value just within it is a run, with a worker's idle slot to take or none."""
+    if idle_worker:
+        offer_as(db, "ghost", "quick", "1 hour")
+    state = sqlstate_of(db, f"select flowly.start({arguments})")
+    assert (state, scalar(db, "select count(*) from flowly.runs")) == (
+        ("WF003", 0) if refused else (None, 1))
 
 
 @pytest.mark.parametrize("call", [
