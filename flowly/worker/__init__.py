@@ -723,6 +723,8 @@ class Worker:
                         async for notification in conn.notifies(timeout=ping_every):
                             if notification.channel == self._handoff_channel:
                                 self._take_handoff(notification.payload)
+                                # the run's task goes first, up to its first step begun:
+                                # before the listener sets its next read up, not after
                                 await asyncio.sleep(0)
                             else:
                                 self._wakeup.set()
