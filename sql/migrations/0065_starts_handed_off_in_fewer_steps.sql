@@ -23,11 +23,12 @@
 -- for the run, and writes the run as claimed by that worker (a new epoch, a first lease of
 -- handoff_lease from clock_timestamp()); send_handed_off_run sends it at commit. False, with
 -- the slot left offered and the run not written, inside a transaction that is not READ
--- COMMITTED (a slot taken there could stay locked for long), when no slot is free, when the
--- run is past its timeout already, when a run is due that the worker's claim would take first
--- (run_due_ahead), when the run would not fit in a NOTIFY payload (the payload is built again
--- at commit: the same fields, and a margin for the lease's end written out then), or when its
--- id or concurrency key is taken (insert_run then says which run that is).
+-- COMMITTED (a slot rewritten since its snapshot would fail the start with 40001), when no
+-- slot is free, when the run is past its timeout already, when a run is due that the
+-- worker's claim would take first (run_due_ahead), when the run would not fit in a NOTIFY
+-- payload (the payload is built again at commit: the same fields, and a margin for the
+-- lease's end written out then), or when its id or concurrency key is taken (insert_run then
+-- says which run that is).
 create function hand_off(
     p_id text, p_workflow text, p_queue text, p_input jsonb, p_priority integer,
     p_scheduled_for timestamptz, p_concurrency_key text, p_max_attempts integer,
