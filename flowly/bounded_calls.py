@@ -63,12 +63,22 @@ async def within(timeout: float | None, call: Awaitable[T]) -> T:
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
+        task.add_done_callback(_read_outcome)
         await end_tasks([task], CONFIRM_CANCEL * 2)
         raise
     if not done:
+        task.add_done_callback(_read_outcome)
         await end_tasks([task], CONFIRM_CANCEL * 2)
         raise TimeoutError(f"no answer within {timeout:g}s")
     return task.result()
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    """What a call given up on raised as it ended (its connection closed under it, say) is
+    moot: its caller was cancelled or told it timed out. Read, so that asyncio does not log it
+    as an error nobody retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Watchdog:

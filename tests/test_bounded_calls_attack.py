@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 import socket
 import threading
@@ -14,6 +16,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
+from flowly.bounded_calls import within
 from tests.support import (
     FreezableProxy,
     client_port_of,
@@ -256,3 +259,32 @@ def test_bounded_calls_share_one_watchdog_thread_and_are_still_cut_off(
         took = time.monotonic() - began
         proxy.thaw()
     assert took < 5, took
+
+
+def test_a_call_given_up_on_that_fails_as_it_ends_is_not_logged_as_never_retrieved(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """within() gives up on a call (out of time, or its caller cancelled) and cancels it. A
+    call whose connection breaks as it is cancelled ends with that error, not with
+    CancelledError, and nobody read it: asyncio logged "Task exception was never retrieved"
+    at ERROR, as a chaos run found in a worker's log (AdminShutdown, its connection
+    terminated)."""
+    async def breaks_as_it_is_cancelled() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise psycopg.OperationalError("the connection broke as the call was cancelled"
+                                           ) from None
+
+    async def give_up() -> None:
+        with pytest.raises(TimeoutError):
+            await within(0.05, breaks_as_it_is_cancelled())
+        caller = asyncio.ensure_future(within(None, breaks_as_it_is_cancelled()))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    asyncio.run(give_up())
+    gc.collect()
+    assert "never retrieved" not in caplog.text
