@@ -458,8 +458,10 @@ def _compensating_run(db: psycopg.Connection[Any], run_id: str, timeout: str) ->
 def test_a_compensating_run_finishes_its_saga_past_its_timeout(
     db: psycopg.Connection[Any],
 ) -> None:
-    epoch = _compensating_run(db, "late", "200 milliseconds")
-    time.sleep(0.3)
+    # a timeout the setup's four calls fit in on a loaded machine, then waited out
+    epoch = _compensating_run(db, "late", "2 seconds")
+    wait_for(lambda: scalar(db, "select clock_timestamp() > timeout_at from flowly.runs"),
+             what="the run past its timeout")
     assert db.execute("select * from flowly.heartbeat('w', array['late'], array[%s::bigint],"
                       " '1 hour')", (epoch,)).fetchall() == []  # still held, not timed out
     db.execute("select flowly.record_compensation('late', %s, 'undoable', null)", (epoch,))
