@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -195,13 +196,22 @@ def test_a_worker_started_before_its_database_listens_waits_for_it_and_serves(
     as soon as the database answers."""
     port = _port_nothing_listens_on()
     with app_worker_process(_dsn_at_port(dsn, port), "--lease", "2") as worker:
-        time.sleep(2.0)  # a refused try every 0.5, 1 s...
-        assert worker.proc.poll() is None, f"the worker exited:\n{worker.kill()}"
+        # its first refused try logged (a loaded machine may take seconds to start it)
+        logged = ""
+        deadline = time.monotonic() + 30
+        while "cannot reach the database yet" not in logged:
+            assert worker.proc.poll() is None, f"the worker exited:\n{logged}{worker.kill()}"
+            assert time.monotonic() < deadline, f"no refused try logged:\n{logged}"
+            assert worker.proc.stdout is not None
+            if select.select([worker.proc.stdout], [], [], 0.1)[0]:
+                logged += worker.proc.stdout.readline()
+        time.sleep(1.0)  # a refused try every 0.5, 1 s...
+        assert worker.proc.poll() is None, f"the worker exited:\n{logged}{worker.kill()}"
         run_id = client.start("quick", "early")
         with freezable_proxy(dsn, port):
             run = client.wait(run_id, timeout=30)
             assert run.status == "completed", run
-            output = worker.stop()
+            output = logged + worker.stop()
     assert "cannot reach the database yet (try 1:" in output, output
     assert "Connection refused" in output, output
     assert "reached the database after" in output, output
