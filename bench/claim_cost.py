@@ -1,6 +1,8 @@
 """What a claim costs as history piles up: empty tables against 1M finished runs, 300k sleeping
-runs in the claimed queue and 300k due runs of another queue; and what claiming a run with a
-10,000-step history costs against a fresh run (and reading its first replay page).
+runs in the claimed queue and 300k due runs of another queue; what a start handed off to an
+idle worker costs over the same history (it looks for a due run ahead of it); and what
+claiming a run with a 10,000-step history costs against a fresh run (and reading its first
+replay page).
 
 Two schemas of its own (dropped afterwards), one empty and one loaded, measured in turns, so
 both see the same machine. Each figure is the median of many timed ``claim`` calls, each
@@ -45,6 +47,22 @@ def claim_ms(conn: psycopg.Connection[Any], schema: str, limit: int) -> float:
     assert len(claimed) == limit, claimed
     conn.execute(_q("select {s}.complete_runs(%s, %s, %s::jsonb[])", schema),
                  ([c[0] for c in claimed], [c[1] for c in claimed], ["null"] * limit))
+    return elapsed
+
+
+def handoff_start_ms(conn: psycopg.Connection[Any], schema: str) -> float:
+    """Offer a slot as an idle worker does, start a run that takes it (checking first that no
+    run is due ahead of it), complete the run; how long the start took, in ms."""
+    conn.execute(_q("select * from {s}.claim_and_offer('idle', array['bench'], array['default'],"
+                    " 1, '1 hour', 'idle_channel')", schema)).fetchall()
+    started = time.perf_counter()
+    run_id = conn.execute(_q("select {s}.start('bench')", schema)).fetchone()[0]
+    elapsed = (time.perf_counter() - started) * 1000
+    handed = conn.execute(_q("select locked_by, lease_epoch from {s}.runs where id = %s",
+                             schema), (run_id,)).fetchone()
+    assert handed == ("idle", 1), f"the start was not handed off: {handed}"
+    conn.execute(_q("select {s}.complete_runs(array[%s], array[1::bigint], array['null'::jsonb])",
+                    schema), (run_id,))
     return elapsed
 
 
@@ -115,7 +133,8 @@ def measure(dsn: str, finished: int = 1_000_000, sleeping: int = 300_000,
             foreign: int = 300_000, steps: int = 10_000, rounds: int = 200,
             limit: int = 10) -> dict[str, float]:
     """Median claim times in ms: ``empty``, ``loaded`` (history of ``finished`` runs and
-    more), ``fresh`` and ``long`` (one run, ``steps`` checkpoints), ``page``."""
+    more), ``fresh`` and ``long`` (one run, ``steps`` checkpoints), ``page``; and of a start
+    handed off to an idle worker: ``start_empty``, ``start_loaded``."""
     schemas = (EMPTY, LOADED)
     with psycopg.connect(dsn, autocommit=True) as conn:
         for schema in schemas:
@@ -125,17 +144,21 @@ def measure(dsn: str, finished: int = 1_000_000, sleeping: int = 300_000,
         try:
             load_history(conn, finished, sleeping, foreign)
             timings: dict[str, list[float]] = {schema: [] for schema in schemas}
+            handoffs: dict[str, list[float]] = {schema: [] for schema in schemas}
             for _ in range(rounds):
                 for schema in schemas:
                     timings[schema].append(claim_ms(conn, schema, limit))
+                    handoffs[schema].append(handoff_start_ms(conn, schema))
             empty, loaded = (statistics.median(timings[schema]) for schema in schemas)
+            start_empty, start_loaded = (statistics.median(handoffs[schema])
+                                         for schema in schemas)
             long_ms, fresh_ms, page_ms = long_run_claim_ms(conn, steps, rounds)
         finally:
             for schema in schemas:
                 conn.execute(sql.SQL("drop schema if exists {} cascade").format(
                     sql.Identifier(schema)))
     return {"empty": empty, "loaded": loaded, "fresh": fresh_ms, "long": long_ms,
-            "page": page_ms}
+            "page": page_ms, "start_empty": start_empty, "start_loaded": start_loaded}
 
 
 def main() -> None:
@@ -158,6 +181,10 @@ def main() -> None:
     print(f"  {args.finished:,} finished, {args.sleeping:,} sleeping and {args.foreign:,}"
           f" other-queue runs")
     print(f"                                   {loaded:8.2f} ms   ratio {loaded / empty:.2f}")
+    print(f"a start handed off to an idle worker, median of {args.rounds}:")
+    print(f"  empty tables                     {m['start_empty']:8.2f} ms")
+    print(f"  the same history                 {m['start_loaded']:8.2f} ms"
+          f"   ratio {m['start_loaded'] / m['start_empty']:.2f}")
     print(f"claim of one run (an expired lease taken over), median of {args.rounds}:")
     print(f"  fresh run                        {fresh_ms:8.2f} ms")
     print(f"  run with {args.steps:,} checkpoints     {long_ms:8.2f} ms"
