@@ -588,6 +588,7 @@ class Client:
                 listener.close()
             listener = self._listener = psycopg.connect(self.dsn, autocommit=True,
                                                         **self._connect_bound)
+            adapt_connection(listener)
         assert listener is not None
         if opened or not self._waits:
             try:
@@ -894,6 +895,7 @@ class AsyncClient:
                     await listener.close()
                 listener = self._listener = await psycopg.AsyncConnection.connect(
                     self.dsn, autocommit=True)
+                adapt_connection(listener)
             assert listener is not None
             if opened or not self._waits:
                 try:

@@ -137,12 +137,22 @@ def dumps(value: Any) -> str:
     return text
 
 
+# psycopg names the statements it prepares per connection (_pg3_0, _pg3_1, ...), so behind a
+# pooler in transaction mode, which hands a session's transactions to whichever server
+# connection is free, one client's statement finds another's name taken or missing there
+# (DuplicatePreparedStatement, ProtocolViolation). flowly's calls are function calls whose
+# plans PL/pgSQL caches per server session anyway: preparing them saved nothing measurable.
+UNPREPARED: dict[str, Any] = {"prepare_threshold": None}
+
+
 def adapt_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     """What every connection flowly opens gets: ``json``/``jsonb`` read by deep_json (a value
-    nested past json's depth would fail the whole fetch), and the server's warnings logged
-    (purge's about runs it had to keep, say), which psycopg drops when nobody handles them."""
+    nested past json's depth would fail the whole fetch), the server's warnings logged
+    (purge's about runs it had to keep, say), which psycopg drops when nobody handles them,
+    and no server-side prepared statements (see :data:`UNPREPARED`)."""
     deep_json.use_on(conn)
     conn.add_notice_handler(_log_if_warning)
+    conn.prepare_threshold = UNPREPARED["prepare_threshold"]
 
 
 def listen_to(channel: str) -> sql.Composed:

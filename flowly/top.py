@@ -29,7 +29,14 @@ from rich.table import Table
 from rich.text import Text
 
 from .bounded_calls import Cutoff
-from .db import DEFAULT_SCHEMA, NON_TERMINAL, TERMINAL, check_schema_name, translated_errors
+from .db import (
+    DEFAULT_SCHEMA,
+    NON_TERMINAL,
+    TERMINAL,
+    UNPREPARED,
+    check_schema_name,
+    translated_errors,
+)
 from .render import error_message, format_age, one_line, to_json
 
 STATUSES = (*NON_TERMINAL, *TERMINAL)
@@ -289,7 +296,7 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
         interval: float = 1.0) -> int:
     """Draw ``flowly top`` until ``q``; with ``once`` (or no terminal), print one frame."""
     console = Console(highlight=False)
-    first: psycopg.Connection[Any] = psycopg.connect(dsn, autocommit=True)
+    first: psycopg.Connection[Any] = psycopg.connect(dsn, autocommit=True, **UNPREPARED)
     try:
         snap = snapshot(first, schema)
     except BaseException:
@@ -323,7 +330,7 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
                         return 0
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(dsn, autocommit=True,
+                        conn = psycopg.connect(dsn, autocommit=True, **UNPREPARED,
                                                connect_timeout=int(_FRAME_LIMIT))
                     snap, error = _frame_within(conn, schema, _FRAME_LIMIT), None
                 except psycopg.OperationalError as exc:  # keep drawing, say why it is stale

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from ..db import adapt_connection
+from ..db import UNPREPARED, adapt_connection
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -35,6 +35,7 @@ def connection_kwargs(lease: float) -> dict[str, Any]:
         "keepalives_count": 3,
         "tcp_user_timeout": int(lease * 1000),
         "connect_timeout": max(2, int(lease)),
+        **UNPREPARED,
     }
 
 
