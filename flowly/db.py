@@ -292,6 +292,7 @@ class Calls:
         self.fold_run_counts = q("select {s}.fold_run_counts()")
         self.end_stalled_listeners = q("select * from {s}.end_stalled_listeners()")
         self.record_listener = q("select {s}.record_listener(%s)")
+        self.notify = rendered(sql.SQL("select pg_notify(%s, %s)"))
         # seconds; 0 when the server ends no idle session (or predates the setting, 14)
         self.idle_session_timeout = sql.SQL(
             "select extract(epoch from coalesce(nullif(current_setting("

@@ -7,14 +7,16 @@ prepares a statement run five times under a name of its own (``_pg3_0``...), and
 session to prepare one on that server connection finds the name taken, or runs a statement
 that has another's parameters. flowly's connections prepare nothing. These tests put a real
 PgBouncer (skipped where none is installed) with one server connection in front of the test
-server, so every session takes turns on it. LISTEN does not work through such a pooler: a
-worker connects directly (see the README), and ``Client.wait`` falls back to polling.
+server, so every session takes turns on it. LISTEN does not work through such a pooler:
+``Client.wait`` falls back to polling, and a worker, which should connect directly (see the
+README), sees that its own notification never arrives and offers no slot to hand runs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import getpass
+import logging
 import os
 import shutil
 import socket
@@ -30,7 +32,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
-from tests.support import running_worker, scalar
+from tests.support import running_worker, scalar, wait_for
 
 ROUNDS = 8  # past psycopg's prepare threshold (5) for every statement a round makes
 
@@ -148,3 +150,23 @@ def test_runs_started_through_the_pooler_reach_a_worker_connected_directly(
             run_id = client.start("echo", {"value": i})
             run = client.wait(run_id, timeout=30)
             assert (run.status, run.output) == ("completed", i)
+
+
+def test_a_worker_behind_a_transaction_pooler_offers_no_slot_and_says_why(
+        pooled_dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # a run handed to it would wait out its 5 s first lease: the notification is lost
+    caplog.set_level(logging.WARNING, logger="flowly.worker")
+    with running_worker(pooled_dsn, workflows=["echo"], lease=6, poll_interval=0.2) as worker:
+        wait_for(lambda: "did not reach its listener" in caplog.text, timeout=30,
+                 what="the warning that notifications do not reach the worker")
+        for i in range(3):
+            run_id = client.start("echo", {"value": i})
+            run = client.wait(run_id, timeout=30)
+            assert (run.status, run.output) == ("completed", i)
+            # claimed by the worker's polling, not handed off by the start
+            assert scalar(db, "select started_at > created_at from flowly.runs where id = %s",
+                          run_id)
+        assert scalar(db, "select count(*) from flowly.handoff_slots where worker_id = %s",
+                      worker.worker_id) == 0
+    assert "Connection poolers" in caplog.text

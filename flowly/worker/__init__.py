@@ -61,7 +61,7 @@ from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .first_connection import connect_when_reachable, delays
-from .handoff import ClaimedRun, HandOff, ServerClock, parse_handoff
+from .handoff import ClaimedRun, HandOff, ListenerProbe, ServerClock, parse_handoff
 from .heartbeat import Heartbeat, settle
 from .step_threads import StepThreads
 from .transactions import Transactions
@@ -79,6 +79,9 @@ MAX_LEASE = 86_400.0
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
+# how long a listener's own notification may take to reach it before the worker says none
+# does (a busy server delivers one in milliseconds); it asks again at every ping meanwhile
+_PROBE_WAIT = 5.0
 # the periodic purge (purge_after): how often a round starts, and the runs of one batch (a
 # round deletes batch after batch until one comes back short)
 _PURGE_EVERY = 60.0
@@ -709,6 +712,7 @@ class Worker:
     async def _listen(self) -> None:
         """Wake the claim loop on NOTIFY; reconnect after a dropped or hung connection."""
         backoff = 0.1
+        probing: asyncio.Task[None] | None = None
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
@@ -717,30 +721,66 @@ class Worker:
                                               self._start_listening(conn))
                     await self._release_missed_handoffs()
                     backoff = 0.1
-                    self._listening = True
                     self._wakeup.set()  # catch up on anything started while we were away
+                    # slots are offered once a notification is seen to reach this listener;
+                    # sent from a task, so a database that hangs holds up no ping
+                    probe, warned = ListenerProbe(), False
+                    probing = asyncio.create_task(self._send_probe(probe))
                     while True:
-                        async for notification in conn.notifies(timeout=ping_every):
-                            if notification.channel == self._handoff_channel:
-                                self._take_handoff(notification.payload)
-                                # the run's task goes first, up to its first step begun:
-                                # before the listener sets its next read up, not after
-                                await asyncio.sleep(0)
-                            else:
-                                self._wakeup.set()
+                        wait = ping_every if self._listening else min(ping_every, _PROBE_WAIT)
+                        async for notification in conn.notifies(timeout=wait):
+                            await self._on_notification(notification, probe)
                         # every lease, the connection must answer (in a couple of seconds
                         # at least, a busy server is no hung one): a hung backend or pooler
                         # acknowledges the bytes, so no TCP timeout would tell it is gone;
                         # more often where the server ends sessions idle for less
                         await within(max(self.lease, 2.0), conn.execute("select 1"))
+                        if not self._listening:
+                            if not warned:
+                                warned = True
+                                logger.warning(
+                                    "a notification sent to this worker did not reach its"
+                                    " listener within %.1f s (a pooler in transaction mode in"
+                                    " between? workers need a session: see the README,"
+                                    " 'Connection poolers'); it takes no runs handed off until"
+                                    " one does, and finds new runs by polling every %.1f s",
+                                    wait, self.poll_interval)
+                            if probing.done():
+                                probing = asyncio.create_task(self._send_probe(probe))
             except (psycopg.Error, OSError) as exc:
                 logger.warning("wake-up listener lost (%s); polling every %.1fs until it is back",
                                exc, self.poll_interval)
             finally:
+                if probing is not None:
+                    probing.cancel()
+                    probing = None
                 self._listening = False
                 self._wakeup.set()  # a claim now withdraws the offer of an idle slot
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _on_notification(self, notification: psycopg.Notify,
+                               probe: ListenerProbe) -> None:
+        """A wake-up, this listener's probe (slots may be offered now), or a hand-off."""
+        if notification.channel != self._handoff_channel:
+            self._wakeup.set()
+        elif ListenerProbe.is_probe(notification.payload):
+            if notification.payload == probe.payload and not self._listening:
+                self._listening = True
+                self._wakeup.set()  # a claim now offers the idle slots
+        else:
+            self._take_handoff(notification.payload)
+            # the run's task goes first, up to its first step begun: before the listener
+            # sets its next read up, not after
+            await asyncio.sleep(0)
+
+    async def _send_probe(self, probe: ListenerProbe) -> None:
+        """NOTIFY this worker's hand-off channel from a pooled session; one that fails only
+        leaves the slots unoffered until the next probe gets through."""
+        try:
+            await self._call(self._calls.notify, (self._handoff_channel, probe.payload))
+        except Exception as exc:
+            logger.warning("could not send this worker's listener its probe: %s", exc)
 
     async def _start_listening(self, conn: psycopg.AsyncConnection[Any]) -> float:
         """LISTEN for wake-ups and for the runs handed to this worker, and record the

@@ -11,6 +11,11 @@ late (its start's transaction committed long after the start, or the worker was 
 event loop blocked) may have lost that lease to a claim already: the payload says when the
 lease ends on the server's clock, and a worker that cannot tell that enough of it is left
 confirms the run with a heartbeat before it begins it (migration 0032).
+
+A worker offers slots only once a notification it sent itself, from another session, has
+reached its listener (``ListenerProbe``). Behind a pooler in transaction mode none does: the
+server connection that ran its LISTEN serves other clients meanwhile, and a run handed to it
+would wait out its whole first lease before a claim took it.
 """
 
 from __future__ import annotations
@@ -18,12 +23,28 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from .. import deep_json
 
 logger = logging.getLogger(__name__)
+
+
+class ListenerProbe:
+    """The payloads a worker sends to its own hand-off channel to learn whether notifications
+    reach its listener: one token per listening connection, so a probe of a former listener
+    arriving late proves nothing about this one."""
+
+    PREFIX = "probe "
+
+    def __init__(self) -> None:
+        self.payload = f"{self.PREFIX}{uuid.uuid4().hex}"
+
+    @classmethod
+    def is_probe(cls, payload: str) -> bool:
+        return payload.startswith(cls.PREFIX)
 
 
 @dataclass(frozen=True)
