@@ -143,13 +143,20 @@ def test_async_clients_take_turns_on_one_server_connection_of_a_transaction_pool
 
 def test_runs_started_through_the_pooler_reach_a_worker_connected_directly(
         dsn: str, pooled_dsn: str) -> None:
-    # the NOTIFY a start sends at commit reaches the worker's own LISTEN; the client's
-    # wait, whose LISTEN the pooler loses, finds the ending by polling
+    # the NOTIFY a start sends at commit reaches the worker's own LISTEN; the clients'
+    # waits, whose LISTEN the pooler loses, find the ending by polling
+    async def wait_async() -> None:
+        async with flowly.AsyncClient(pooled_dsn) as client:
+            for i in range(ROUNDS):
+                run = await client.wait(await client.start("echo", {"value": -i}), timeout=30)
+                assert (run.status, run.output) == ("completed", -i)
+
     with running_worker(dsn, workflows=["echo"]), flowly.Client(pooled_dsn) as client:
         for i in range(ROUNDS):
             run_id = client.start("echo", {"value": i})
             run = client.wait(run_id, timeout=30)
             assert (run.status, run.output) == ("completed", i)
+        asyncio.run(wait_async())
 
 
 def test_a_worker_behind_a_transaction_pooler_offers_no_slot_and_says_why(
