@@ -31,6 +31,8 @@ from .db import (
     check_schema_name,
     dumps_argument,
     listen_to,
+    prepare_if_direct,
+    prepare_if_direct_async,
     still_open,
     translated_errors,
 )
@@ -420,6 +422,7 @@ class Client:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
                                                 **self._connect_bound)
             adapt_connection(conn)
+            prepare_if_direct(conn)
         if self.timeout is not None and self._bounded is not conn:
             # made on self._conn, so that a caller's Cutoff can cut it off if it hangs
             conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
@@ -784,6 +787,7 @@ class AsyncClient:
                     self.dsn, autocommit=True, row_factory=dict_row,
                     **_connect_bound(self.timeout))
                 adapt_connection(conn)
+                await prepare_if_direct_async(conn)
             if self.timeout is not None and self._bounded is not conn:
                 await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
                 self._bounded = conn

@@ -177,3 +177,27 @@ def test_a_worker_behind_a_transaction_pooler_offers_no_slot_and_says_why(
         assert scalar(db, "select count(*) from flowly.handoff_slots where worker_id = %s",
                       worker.worker_id) == 0
     assert "Connection poolers" in caplog.text
+
+
+def test_a_client_prepares_statements_only_where_no_pooler_stands_between(
+        dsn: str, pooled_dsn: str) -> None:
+    # directly, the backend that answers is the one the connection was opened with, and
+    # prepared statements save an idle start 0.15-0.25 ms; behind the pooler it is not
+    with flowly.Client(dsn) as direct, flowly.Client(pooled_dsn) as pooled:
+        assert direct.connection.prepare_threshold is not None
+        assert pooled.connection.prepare_threshold is None
+
+
+
+def test_clients_connected_directly_prepare_statements(dsn: str) -> None:
+    # the enqueue path of an idle worker's hand-off is the one latency counts
+    with flowly.Client(dsn) as client:
+        assert client.connection.prepare_threshold is not None
+
+    async def threshold() -> int | None:
+        async with flowly.AsyncClient(dsn) as client:
+            await client.start("echo", {"value": 1}, delay=3600)
+            assert client._conn is not None
+            return client._conn.prepare_threshold
+
+    assert asyncio.run(threshold()) is not None

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from ..db import UNPREPARED, adapt_connection
+from ..db import UNPREPARED, adapt_connection, prepare_if_direct, prepare_if_direct_async
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -72,6 +72,7 @@ def _check_client_every(lease: float) -> tuple[str]:
 
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
     adapt_connection(conn)
+    await prepare_if_direct_async(conn)
     await conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
@@ -79,6 +80,7 @@ async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> N
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
     adapt_connection(conn)
+    prepare_if_direct(conn)
     conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))
