@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -13,7 +14,15 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import in_thread, pages_read, running_worker, scalar
+from tests.support import (
+    claim_as,
+    in_thread,
+    pages_read,
+    running_worker,
+    scalar,
+    wait_for,
+    waiting_on_lock,
+)
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
 
@@ -269,3 +278,73 @@ def test_a_worker_purges_past_a_run_the_application_references(
     assert scalar(db, "select count(*) from flowly.runs where id like 'old-%%'") == 25
     assert any("purge kept" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records if r.name.startswith("flowly")), caplog.text
+
+
+@flowly.workflow("fresh_token")
+async def fresh_token(ctx: flowly.Context, inp: Any) -> str:
+    """One step whose output differs at every execution: a replay shows as the same token."""
+    return await ctx.step("token", _new_token)
+
+
+async def _new_token() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.mark.parametrize("removal", [
+    "delete from flowly.runs where id = 'reused'",
+    "truncate flowly.runs cascade",
+])
+def test_a_run_removed_by_hand_takes_its_checkpoints_and_its_id_starts_afresh(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client, removal: str
+) -> None:
+    with running_worker(dsn):
+        first = client.wait(client.start("fresh_token", None, run_id="reused"), timeout=30)
+        assert scalar(db, "select count(*) from flowly.steps where run_id = 'reused'") == 1
+        db.execute(removal)
+        assert scalar(db, "select count(*) from flowly.steps") == 0
+        again = client.wait(client.start("fresh_token", None, run_id="reused"), timeout=30)
+    assert again.status == first.status == "completed"
+    assert again.output != first.output  # run, not replayed from the deleted run's step
+
+
+def _checkpoint(conn: psycopg.Connection[Any], run_id: str, epoch: int) -> tuple[Any, ...]:
+    """A worker's checkpoint of step s of ``run_id``: lease_lost, busy and seq."""
+    row = conn.execute(
+        "select lease_lost, busy, seq from flowly.checkpoint_steps(array[%s], array[%s::bigint],"
+        " array['s'], array['1'::jsonb], array[now()], array[false], array[1])",
+        (run_id, epoch)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def _execute(dsn: str, statement: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+def test_a_delete_waiting_on_a_checkpoint_deletes_the_step_it_committed(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """The checkpoint's lock on the run holds the delete back until its step is committed; the
+    delete then takes that step too, leaving none behind for the run's id."""
+    db.execute("select flowly.start('wf', run_id => 'doomed')")
+    epoch = claim_as(db, "wf")["doomed"]
+    with psycopg.connect(dsn) as checkpointing:
+        lease_lost, busy, seq = _checkpoint(checkpointing, "doomed", epoch)
+        assert (lease_lost, busy) == (False, False) and seq is not None
+        thread, result = in_thread(_execute, dsn, "delete from flowly.runs where id = 'doomed'")
+        wait_for(lambda: waiting_on_lock(db, "delete from flowly.runs%"))
+        checkpointing.commit()
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in result, result
+    assert scalar(db, "select count(*) from flowly.steps where run_id = 'doomed'") == 0
+
+
+def test_a_checkpoint_of_a_deleted_run_is_lost_and_writes_nothing(
+    db: psycopg.Connection[Any]
+) -> None:
+    db.execute("select flowly.start('wf', run_id => 'gone')")
+    epoch = claim_as(db, "wf")["gone"]
+    db.execute("delete from flowly.runs where id = 'gone'")
+    assert _checkpoint(db, "gone", epoch) == (True, False, None)
+    assert scalar(db, "select count(*) from flowly.steps") == 0
