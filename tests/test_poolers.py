@@ -179,6 +179,28 @@ def test_a_worker_behind_a_transaction_pooler_offers_no_slot_and_says_why(
     assert "Connection poolers" in caplog.text
 
 
+def test_a_held_run_and_bad_input_through_the_pooler_fail_alone_in_bounded_time(
+        dsn: str, pooled_dsn: str, db: psycopg.Connection[Any]) -> None:
+    # the lock timeout a cancel waits with is the function's own, so it holds through a
+    # pooler that keeps no session setting; the error leaves the shared server connection
+    # fit for the next client's call
+    with flowly.Client(pooled_dsn) as first, flowly.Client(pooled_dsn) as second:
+        held = first.start("echo", {"value": "held"}, delay=3600)
+        with psycopg.connect(dsn) as operator:
+            operator.execute("select 1 from flowly.runs where id = %s for update", (held,))
+            began = time.monotonic()
+            with pytest.raises(flowly.RunBusy, match=held):
+                first.cancel(held)
+            assert time.monotonic() - began < 20
+            with pytest.raises(flowly.InvalidArgument):
+                second.start("echo", {"value": float("nan")})
+            other = second.start("echo", {"value": "other"}, delay=3600)
+            assert second.cancel(other) == "cancelled"
+        assert first.cancel(held) == "cancelled"
+    assert scalar(db, "select count(*) from flowly.runs where status = 'cancelled'") == 2
+    assert scalar(db, "select count(*) from flowly.runs") == 2
+
+
 def test_a_client_prepares_statements_only_where_no_pooler_stands_between(
         dsn: str, pooled_dsn: str) -> None:
     # directly, the backend that answers is the one the connection was opened with, and
