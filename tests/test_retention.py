@@ -322,16 +322,30 @@ def _execute(dsn: str, statement: str) -> None:
         conn.execute(statement)
 
 
+def _transactional_checkpoint(conn: psycopg.Connection[Any], run_id: str, epoch: int) -> None:
+    """A transactional step's checkpoint, in the transaction flowly opened for it (its lock on
+    the run is the weakest of the writers of steps: for key share)."""
+    conn.execute("select set_config('flowly.step_transaction_of', %s, true)", (run_id,))
+    row = conn.execute(
+        "select seq from flowly.checkpoint_transaction(%s, %s, 't', '1', now(), false, 1)",
+        (run_id, epoch)).fetchone()
+    assert row is not None and row[0] is not None
+
+
+@pytest.mark.parametrize("kind", ["step", "transaction"])
 def test_a_delete_waiting_on_a_checkpoint_deletes_the_step_it_committed(
-    dsn: str, db: psycopg.Connection[Any]
+    dsn: str, db: psycopg.Connection[Any], kind: str
 ) -> None:
     """The checkpoint's lock on the run holds the delete back until its step is committed; the
     delete then takes that step too, leaving none behind for the run's id."""
     db.execute("select flowly.start('wf', run_id => 'doomed')")
     epoch = claim_as(db, "wf")["doomed"]
     with psycopg.connect(dsn) as checkpointing:
-        lease_lost, busy, seq = _checkpoint(checkpointing, "doomed", epoch)
-        assert (lease_lost, busy) == (False, False) and seq is not None
+        if kind == "step":
+            lease_lost, busy, seq = _checkpoint(checkpointing, "doomed", epoch)
+            assert (lease_lost, busy) == (False, False) and seq is not None
+        else:
+            _transactional_checkpoint(checkpointing, "doomed", epoch)
         thread, result = in_thread(_execute, dsn, "delete from flowly.runs where id = 'doomed'")
         wait_for(lambda: waiting_on_lock(db, "delete from flowly.runs%"))
         checkpointing.commit()
