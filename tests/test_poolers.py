@@ -5,7 +5,8 @@ Such a pooler gives each transaction of a client session whichever server connec
 so whatever a session leaves on its server connection is met by other sessions. psycopg
 prepares a statement run five times under a name of its own (``_pg3_0``...), and the next
 session to prepare one on that server connection finds the name taken, or runs a statement
-that has another's parameters. flowly's connections prepare nothing. These tests put a real
+that has another's parameters. flowly's connections prepare only once they see that no
+pooler stands between them and their server session. These tests put a real
 PgBouncer (skipped where none is installed) with one server connection in front of the test
 server, so every session takes turns on it. LISTEN does not work through such a pooler:
 ``Client.wait`` falls back to polling, and a worker, which should connect directly (see the
