@@ -168,6 +168,18 @@ def claim_as(db: psycopg.Connection[Any], workflow: str, limit: int = 10) -> dic
         " '1 hour')", (workflow, limit)).fetchall())
 
 
+def checkpoint_as(conn: psycopg.Connection[Any], run_id: str, epoch: int, step: str = "s",
+                  output: str = "1", position: int = 1) -> tuple[Any, ...]:
+    """Checkpoint one step of ``run_id`` (``output`` as JSON text) as a worker's group
+    committer would, with the lease epoch its claim gave; lease_lost, busy and seq."""
+    row = conn.execute(
+        "select lease_lost, busy, seq from flowly.checkpoint_steps(array[%s], array[%s::bigint],"
+        " array[%s], array[%s::jsonb], array[now()], array[false], array[%s])",
+        (run_id, epoch, step, output, position)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str) -> None:
     """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would."""
     db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",

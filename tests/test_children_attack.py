@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 import flowly
-from tests.support import running_worker, scalar, wait_for
+from tests.support import checkpoint_as, running_worker, scalar, wait_for
 
 # -- workflows -------------------------------------------------------------------------------
 
@@ -438,9 +438,7 @@ def test_a_worker_lost_between_storing_a_sleep_and_releasing_the_run_leaves_it_r
     released = scalar(db, "select released from flowly.sleep(%s, %s, 'nap', p_seconds => 3,"
                           " p_position => 1, p_release => false)", run_id, epoch)
     assert released  # the wake time is ahead: the dead worker would have released the run
-    db.execute("select * from flowly.checkpoint_steps(array[%s], array[%s::bigint],"
-               " array['work'], array['\"worked\"'::jsonb], array[now()], array[false],"
-               " array[2])", (run_id, epoch))
+    checkpoint_as(db, run_id, epoch, step="work", output='"worked"', position=2)
     wake_at = scalar(db, "select wake_at from flowly.timers where run_id = %s", run_id)
     with running_worker(dsn, workflows=[tc_sleep_beside_step]):
         run = client.wait(run_id, timeout=30)

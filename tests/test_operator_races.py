@@ -17,7 +17,14 @@ import pytest
 
 import flowly
 from flowly.db import translated_errors
-from tests.support import in_thread, running_worker, scalar, wait_for, worker_process
+from tests.support import (
+    checkpoint_as,
+    in_thread,
+    running_worker,
+    scalar,
+    wait_for,
+    worker_process,
+)
 
 # -- workflows ------------------------------------------------------------------------------------
 
@@ -73,10 +80,7 @@ def test_writes_made_after_the_run_timeout_are_refused_whether_or_not_a_sweep_ra
                        " array['default'], 1, '1 hour')")
     wait_for(lambda: scalar(db, "select clock_timestamp() > timeout_at + interval '200 ms'"
                                 " from flowly.runs where id = 'r'"), what="the run's timeout")
-    checkpoint = db.execute(
-        "select lease_lost, busy from flowly.checkpoint_steps(array['r'], array[%s::bigint],"
-        " array['a'], array['1'::jsonb], array[now()], array[false], array[1])",
-        (epoch,)).fetchone()
+    checkpoint = checkpoint_as(db, "r", epoch, step="a")[:2]
     completion = db.execute(
         "select lease_lost, busy from flowly.complete_runs(array['r'], array[%s::bigint],"
         " array['\"done\"'::jsonb])", (epoch,)).fetchone()

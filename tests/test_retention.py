@@ -15,6 +15,7 @@ import pytest
 
 import flowly
 from tests.support import (
+    checkpoint_as,
     claim_as,
     in_thread,
     pages_read,
@@ -307,16 +308,6 @@ def test_a_run_removed_by_hand_takes_its_checkpoints_and_its_id_starts_afresh(
     assert again.output != first.output  # run, not replayed from the deleted run's step
 
 
-def _checkpoint(conn: psycopg.Connection[Any], run_id: str, epoch: int) -> tuple[Any, ...]:
-    """A worker's checkpoint of step s of ``run_id``: lease_lost, busy and seq."""
-    row = conn.execute(
-        "select lease_lost, busy, seq from flowly.checkpoint_steps(array[%s], array[%s::bigint],"
-        " array['s'], array['1'::jsonb], array[now()], array[false], array[1])",
-        (run_id, epoch)).fetchone()
-    assert row is not None
-    return tuple(row)
-
-
 def _execute(dsn: str, statement: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(statement)
@@ -342,7 +333,7 @@ def test_a_delete_waiting_on_a_checkpoint_deletes_the_step_it_committed(
     epoch = claim_as(db, "wf")["doomed"]
     with psycopg.connect(dsn) as checkpointing:
         if kind == "step":
-            lease_lost, busy, seq = _checkpoint(checkpointing, "doomed", epoch)
+            lease_lost, busy, seq = checkpoint_as(checkpointing, "doomed", epoch)
             assert (lease_lost, busy) == (False, False) and seq is not None
         else:
             _transactional_checkpoint(checkpointing, "doomed", epoch)
@@ -360,5 +351,5 @@ def test_a_checkpoint_of_a_deleted_run_is_lost_and_writes_nothing(
     db.execute("select flowly.start('wf', run_id => 'gone')")
     epoch = claim_as(db, "wf")["gone"]
     db.execute("delete from flowly.runs where id = 'gone'")
-    assert _checkpoint(db, "gone", epoch) == (True, False, None)
+    assert checkpoint_as(db, "gone", epoch) == (True, False, None)
     assert scalar(db, "select count(*) from flowly.steps") == 0
