@@ -7,6 +7,7 @@ test database (FLOWLY_DSN); in-process tests also use the module-level ``CALLS``
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -583,3 +584,13 @@ async def fan_out(ctx: flowly.Context, inp: dict[str, Any]) -> list[Any]:
 @flowly.workflow("runs_a_child")
 async def runs_a_child(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
     return await ctx.run("slow", {"seconds": inp["seconds"]})
+
+
+def _collector_settings() -> list[Any]:
+    return [gc.isenabled(), *gc.get_threshold()]
+
+
+@flowly.workflow("collector_settings")
+async def collector_settings(ctx: flowly.Context, inp: Any) -> Any:
+    """The garbage collector's settings as a step running in the worker sees them."""
+    return await ctx.step("settings", _collector_settings)

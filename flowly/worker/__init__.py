@@ -60,6 +60,7 @@ from ..schema import check_current, install
 from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
+from .collector import collector_paced_for_runs
 from .first_connection import connect_when_reachable, delays
 from .handoff import ClaimedRun, HandOff, ListenerProbe, ServerClock, parse_handoff
 from .heartbeat import Heartbeat, settle
@@ -356,7 +357,7 @@ class Worker:
             )
             await self._pool.open()
             try:
-                with containing_user_tasks(loop):
+                with containing_user_tasks(loop), collector_paced_for_runs():
                     await self._serve_until_stopped(self._pool)
             finally:
                 await self._unregister()
