@@ -28,7 +28,7 @@ from .errors import (
     StepOutputNotSerializable,
     WorkflowCodeError,
 )
-from .replay import ReplayLog, StoredStep, StoredTimer
+from .replay import UNREAD, ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
 from .user_tasks import user_code
 from .workflow import START_OPTIONS, Workflow, WorkflowFn, is_async, lookup
@@ -351,7 +351,9 @@ class Context:
         # the run's fate, and the worker waits for the second before it compensates
         self._executing = 0
         self._in_flight = 0
-        self._changed = asyncio.Event()
+        # set when any of those counts changes, for whoever waits on them (made on demand:
+        # most executions never wait)
+        self._changed: asyncio.Event | None = None
         self._calls: list[_Call] = []
         # the waits this execution reached that must wait (the run is parked on them)
         self.waiting: list[str] = []
@@ -496,7 +498,9 @@ class Context:
         position = self._claim_name(name)
         if compensate is not None:
             self.compensations[name] = compensate
-        stored = await self._write(lambda: self.history.get(name))
+        stored = self.history.peek(name)  # no call, and no await, for a run's new steps
+        if stored is UNREAD:
+            stored = await self._write(lambda: self.history.get(name))
         if isinstance(stored, StoredStep):
             if stored.status == "completed":
                 return stored.output
@@ -569,11 +573,14 @@ class Context:
         await self._until(lambda: self._in_flight == 0)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
+            if self._changed is None:
+                self._changed = asyncio.Event()
             await self._changed.wait()
 
     def sleep(self, name: str, seconds: float | timedelta) -> Awaitable[None]:

@@ -33,10 +33,15 @@ def use_on(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None
 
 def loads(data: str | bytes) -> Any:
     """``json.loads``, but a value nested too deeply for it is decoded without recursion."""
+    if isinstance(data, bytes):
+        # decoded as json.loads decodes UTF-8 bytes, without first detecting that they are
+        # (PostgreSQL sends JSON in the connection's encoding, UTF-8 for flowly's): that
+        # detection cost as much as decoding a small value
+        data = data.decode("utf-8", "surrogatepass")
     try:
         return json.loads(data)
     except RecursionError:
-        return _loads_without_recursion(data.decode() if isinstance(data, bytes) else data)
+        return _loads_without_recursion(data)
 
 
 def dumps(value: Any, **options: Any) -> str:

@@ -10,6 +10,7 @@ history; a run with no history costs no read at all.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,6 +43,13 @@ PageReader = Callable[[int], Awaitable[Sequence[Sequence[Any]]]]
 """Reads the page of replay rows recorded after a sequence number (see SQL ``replay``)."""
 
 
+class Unread(enum.Enum):
+    UNREAD = "unread"
+
+
+UNREAD = Unread.UNREAD
+
+
 class ReplayLog:
     """The history of one claimed run, as far as it has been read, plus what this execution
     recorded since."""
@@ -55,6 +63,14 @@ class ReplayLog:
         self._last_seq = 0
         self._exhausted = read_page is None
         self._reading = asyncio.Lock()  # parallel steps must not read the same page twice
+
+    def peek(self, name: str) -> Entry | Unread | None:
+        """The recorded outcome of ``name`` as far as the history has been read: ``UNREAD``
+        when pages not read yet may hold it (then :meth:`get` reads them)."""
+        entry = self._entries.get(name)
+        if entry is None and not self._exhausted:
+            return UNREAD
+        return entry
 
     async def get(self, name: str) -> Entry | None:
         """The recorded outcome of ``name``, reading more pages while it is not found."""
