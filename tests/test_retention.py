@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 import flowly
+from tests import workflows
 from tests.support import (
     checkpoint_as,
     claim_as,
@@ -353,3 +354,55 @@ def test_a_checkpoint_of_a_deleted_run_is_lost_and_writes_nothing(
     db.execute("delete from flowly.runs where id = 'gone'")
     assert checkpoint_as(db, "gone", epoch) == (True, False, None)
     assert scalar(db, "select count(*) from flowly.steps") == 0
+
+
+def test_a_deleted_run_in_a_batch_of_checkpoints_is_lost_alone(
+    db: psycopg.Connection[Any]
+) -> None:
+    """One run deleted by hand among the runs of a group-committed batch: its item is lost
+    and writes no step; the others are written as if it were not there."""
+    for run_id in ("before", "gone", "after"):
+        db.execute("select flowly.start('wf', run_id => %s)", (run_id,))
+    epochs = claim_as(db, "wf")
+    db.execute("delete from flowly.runs where id = 'gone'")
+    ids = ["before", "gone", "after"]
+    rows = db.execute(
+        "select run_id, lease_lost, busy, seq is not null from flowly.checkpoint_steps("
+        "%s, %s, array['s', 's', 's'], array['1', '2', '3']::jsonb[],"
+        " array[now(), now(), now()], array[false, false, false], array[1, 1, 1])",
+        (ids, [epochs[i] for i in ids])).fetchall()
+    assert rows == [("before", False, False, True), ("gone", True, False, False),
+                    ("after", False, False, True)]
+    assert db.execute("select run_id, output from flowly.steps order by run_id").fetchall() \
+        == [("after", 3), ("before", 1)]
+
+
+def test_a_retried_saga_deleted_takes_its_whole_history_and_its_id_starts_afresh(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    """A run that compensated, was retried and compensated again, then deleted: its steps
+    (by trigger), failed attempts and compensation history all go, and a run started again
+    under its id runs every step anew instead of replaying or compensating the old ones."""
+    run_id = "saga-again"
+    workflows.SAGA_FAILS.add(run_id)
+    try:
+        with running_worker(dsn):
+            client.start("saga", None, run_id=run_id)
+            assert client.wait(run_id, timeout=30).status == "dead_letter"
+            client.retry_dead_letter(run_id)
+            assert client.wait(run_id, timeout=30).status == "dead_letter"
+            history = ("steps", "step_attempts", "step_history")
+            before = {t: scalar(db, f"select count(*) from flowly.{t} where run_id = %s",
+                                run_id) for t in history}
+            assert all(before.values()), before  # a history in each table to delete
+            db.execute("delete from flowly.runs where id = %s", (run_id,))
+            assert {t: scalar(db, f"select count(*) from flowly.{t} where run_id = %s",
+                              run_id) for t in history} == dict.fromkeys(history, 0)
+            workflows.SAGA_FAILS.discard(run_id)
+            workflows.CALLS[run_id].clear()
+            client.start("saga", None, run_id=run_id)
+            run = client.wait(run_id, timeout=30)
+    finally:
+        workflows.SAGA_FAILS.discard(run_id)
+    assert run.status == "completed" and run.output == "ok" and run.generation == 1
+    assert workflows.CALLS[run_id] == ["do:s1", "do:s2", "do:s3", "do:s4"]
