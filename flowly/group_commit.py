@@ -224,12 +224,12 @@ class GroupCommitter:
                         completion_rows = await (
                             await self._complete_runs(conn, completions)).fetchall()
         # rows come back in input order, one per item
-        for item, (_, name, lease_lost, busy, output, seq) in zip(
+        for item, (_, _, lease_lost, busy, output, seq) in zip(
                 checkpoints, checkpoint_rows, strict=True):
-            self._settle(item, lease_lost, busy, f"checkpoint of step {name!r}", (output, seq))
+            self._settle(item, lease_lost, busy, (output, seq))
         for completion, (_, lease_lost, busy) in zip(
                 completions, completion_rows, strict=True):
-            self._settle(completion, lease_lost, busy, "completion", None)
+            self._settle(completion, lease_lost, busy, None)
 
     async def _checkpoint_steps(
         self, conn: AsyncConnection[Any], checkpoints: list[_Checkpoint]
@@ -259,12 +259,14 @@ class GroupCommitter:
             ),
         )
 
-    def _settle(self, item: _Write, lease_lost: bool, busy: bool, what: str, value: Any) -> None:
+    def _settle(self, item: _Write, lease_lost: bool, busy: bool, value: Any) -> None:
         if item.done.done():  # the run's task was cancelled meanwhile
             return
         if busy:
             self._retry_later(item)
         elif lease_lost:
+            what = (f"checkpoint of step {item.name!r}" if isinstance(item, _Checkpoint)
+                    else "completion")
             item.done.set_exception(LeaseLost(f"{what} of run {item.run_id} refused: lease lost"))
         else:
             item.done.set_result(value)

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -149,10 +149,11 @@ class _RunStore:
                 f"run {self._held.run_id}: no claim or heartbeat answered for more than the"
                 f" lease ({self._worker.lease:g}s), so another worker may hold it now")
 
-    async def checkpoint(
+    def checkpoint(
         self, name: str, payload: str, started_at: datetime, compensable: bool, position: int
-    ) -> tuple[Any, int]:
-        return await self._worker._committer.checkpoint(
+    ) -> Coroutine[Any, Any, tuple[Any, int]]:
+        # the committer's own coroutine, not one around it: every step awaits this
+        return self._worker._committer.checkpoint(
             self._held.run_id, self._held.epoch, name, payload, started_at, compensable, position
         )
 
