@@ -44,6 +44,8 @@ PageReader = Callable[[int], Awaitable[Sequence[Sequence[Any]]]]
 
 
 class Unread(enum.Enum):
+    """What :meth:`ReplayLog.peek` answers when pages not read yet may hold the name."""
+
     UNREAD = "unread"
 
 
