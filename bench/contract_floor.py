@@ -6,9 +6,12 @@ back, so the body goes on with the value a replay will see), and its completion.
 drives exactly those statements and nothing else: plain SQL on two tables with a primary
 key each and the one partial index a claim needs, no PL/pgSQL, no step bodies, no worker,
 batches of ``--batch`` runs on ``--connections`` connections, each connection claiming,
-checkpointing and completing its own batches in turn. The same sitting drains flowly's
-one-step and three-step runs, pgqueuer's one-step jobs and the 16-client commit ceiling, so
-the ratios say how far any engine with this contract could get on this machine:
+checkpointing and completing its own batches in turn. Then, in the same sitting, each layer
+of flowly above that floor: the same statements on flowly's own tables (its indexes,
+constraints and triggers), flowly's functions called from the same bare driver, and
+flowly's worker; beside them pgqueuer's one-step jobs and the 16-client commit ceiling. The
+ratios say how far any engine with this contract could get on this machine, and the CPU a
+run costs at each layer says where flowly spends what it spends beyond that:
 
     python bench/contract_floor.py --runs 20000 --repeat 3
 
