@@ -274,18 +274,12 @@ NOT_RETRYABLE = (WorkflowCodeError, StepOutputNotSerializable, OutputTooLarge, I
 class _Call:
     """The awaitable a ``ctx`` call returns; it notes whether the body awaited it."""
 
-    __slots__ = ("awaited", "coroutine", "kind", "name")
+    __slots__ = ("awaited", "coroutine", "label")
 
-    def __init__(self, kind: str, name: object, coroutine: Coroutine[Any, Any, Any]) -> None:
-        self.kind = kind
-        self.name = name
+    def __init__(self, label: str, coroutine: Coroutine[Any, Any, Any]) -> None:
+        self.label = label
         self.coroutine = coroutine
         self.awaited = False
-
-    @property
-    def label(self) -> str:
-        """What the call was, for a body that did not await it (made only then)."""
-        return f"{self.kind} {self.name!r}"
 
     def __await__(self) -> Generator[Any, None, Any]:
         self.awaited = True
@@ -412,8 +406,8 @@ class Context:
         self._names_used.add(name)
         return len(self._names_used)
 
-    def _track(self, kind: str, name: object, coroutine: Coroutine[Any, Any, T]) -> Awaitable[T]:
-        call = _Call(kind, name, coroutine)
+    def _track(self, label: str, coroutine: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        call = _Call(label, coroutine)
         self._calls.append(call)
         return call
 
@@ -442,16 +436,17 @@ class Context:
         Steps running in parallel (``asyncio.gather``) when one fails are waited for first,
         so every step that completed is checkpointed, and compensated, before the saga.
         """
-        _check_step(f"step {name!r}", fn, compensate, retry)
-        return self._track("step", name, self._step(name, fn, args, compensate, retry))
+        label = f"step {name!r}"  # made once: the checks, the tracking and the output name it
+        _check_step(label, fn, compensate, retry)
+        return self._track(label, self._step(name, label, fn, args, compensate, retry))
 
     def _step(
-        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+        self, name: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
         compensate: Callable[[Any], Any] | None, retry: Retry | None,
     ) -> Coroutine[Any, Any, Any]:
         async def execute(started_at: datetime, position: int) -> tuple[Any, int]:
             result = await call_user_function(self._store, fn, *args)
-            payload = serialise_output(result, f"step {name!r}", self.max_output_bytes)
+            payload = serialise_output(result, label, self.max_output_bytes)
             return await self._write(lambda: self._store.checkpoint(
                 name, payload, started_at, compensate is not None, position))
 
@@ -481,9 +476,9 @@ class Context:
         if isolation is not None and isolation not in ISOLATION_LEVELS:
             raise WorkflowCodeError(f"transaction {name!r}: isolation must be one of"
                                     f" {', '.join(ISOLATION_LEVELS)}, got {isolation!r}")
-        _check_step(f"transaction {name!r}", fn, compensate, retry)
-        return self._track("transaction", name,
-                           self._transaction(name, fn, args, isolation, compensate, retry))
+        label = f"transaction {name!r}"
+        _check_step(label, fn, compensate, retry)
+        return self._track(label, self._transaction(name, fn, args, isolation, compensate, retry))
 
     async def _transaction(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -598,12 +593,12 @@ class Context:
         that time, on any worker, even after restarts.
         """
         delay = code_checked(arguments.seconds_ahead, f"sleep {name!r}", seconds)
-        return self._track("sleep", name, self._sleep(name, None, delay))
+        return self._track(f"sleep {name!r}", self._sleep(name, None, delay))
 
     def sleep_until(self, name: str, when: datetime) -> Awaitable[None]:
         """Sleep durably until ``when`` (a timezone-aware datetime)."""
         code_checked(arguments.aware_time, f"sleep_until {name!r}: 'when'", when)
-        return self._track("sleep", name, self._sleep(name, when, None))
+        return self._track(f"sleep {name!r}", self._sleep(name, when, None))
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
         position = self._claim_name(name)
@@ -641,7 +636,7 @@ class Context:
         :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
         defaults when it is registered in this process.
         """
-        return self._track("start of", workflow, self._start(
+        return self._track(f"start of {workflow!r}", self._start(
             workflow, input, run_id, options, self._child_id(workflow)))
 
     def _child_id(self, workflow: str | WorkflowFn) -> _DefaultName | None:
@@ -695,7 +690,7 @@ class Context:
         code_checked(arguments.text, "event name", name)
         seconds = None if timeout is None else code_checked(
             arguments.seconds_ahead, f"timeout of wait for event {name!r}", timeout)
-        return self._track("wait for event", name, self._wait_for_event(
+        return self._track(f"wait for event {name!r}", self._wait_for_event(
             name, seconds, self._wait_record("event", name)))
 
     async def _wait_for_event(self, name: str, timeout: float | None, record: _DefaultName
@@ -713,7 +708,7 @@ class Context:
         if it ended ``dead_letter`` or ``cancelled``. The run holds no worker while it waits
         and wakes when the other run finishes. The outcome is recorded once."""
         code_checked(arguments.text, "the run_id waited for", run_id)
-        return self._track("wait for run", run_id, self._wait_for_run(
+        return self._track(f"wait for run {run_id!r}", self._wait_for_run(
             run_id, self._wait_record("run", run_id)))
 
     async def _wait_for_run(self, run_id: str, record: _DefaultName) -> Any:
@@ -737,7 +732,7 @@ class Context:
             child = await self._start(workflow, input, run_id, options, default_id)
             return await self._wait_for_run(child, self._wait_record("run", child))
 
-        return self._track("run of", workflow, start_and_wait())
+        return self._track(f"run of {workflow!r}", start_and_wait())
 
     async def _wait_outcome(
         self, kind: str, name: _DefaultName,
