@@ -407,13 +407,15 @@ def test_client_wait_returns_when_the_run_finishes_not_at_the_next_poll(
         for _ in range(3):
             run_id = client.start("slow", {"seconds": 1.5})
             if asynchronous:
-                async def wait(run_id: str) -> flowly.Run:
+                async def wait(run_id: str) -> tuple[flowly.Run, datetime]:
                     async with flowly.AsyncClient(dsn) as aclient:
-                        return await aclient.wait(run_id, timeout=30)
-                run = asyncio.run(wait(run_id))
+                        run = await aclient.wait(run_id, timeout=30)
+                        # read here: closing the client after the wait is not the wait
+                        return run, datetime.now(UTC)
+                run, returned = asyncio.run(wait(run_id))
             else:
                 run = client.wait(run_id, timeout=30)
-            returned = datetime.now(UTC)
+                returned = datetime.now(UTC)
             assert run.status == "completed" and run.finished_at is not None
             delays.append((returned - run.finished_at).total_seconds())
     assert max(delays) < 0.1, delays
