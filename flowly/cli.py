@@ -58,6 +58,7 @@ from .render import (
     to_json,
 )
 from .worker import DEFAULT_MAX_OUTPUT_BYTES, Worker
+from .worker.processes import supervise
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="database connections besides the listener (4)")
     parser.add_argument("--max-output-bytes", type=int, default=DEFAULT_MAX_OUTPUT_BYTES,
                         help="largest step or workflow output, in bytes of JSON (8 MiB)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="worker processes to run, each with this concurrency, under one"
+                             " supervisor that replaces a killed one (1)")
     parser.add_argument("--purge-after", type=_age, metavar="AGE",
                         help="delete runs finished longer ago than this (30d, 12h...), with"
                              " their history, a bounded batch at a time (default: never)")
@@ -256,6 +260,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from exc
     except (ValueError, UnknownWorkflow) as exc:
         raise CliError(f"--app {args.app}: {exc}", EXIT_USAGE) from exc
+    if args.processes < 1:
+        raise CliError(f"--processes must be at least 1, got {args.processes}", EXIT_USAGE)
+    if args.processes > 1:
+        # the same command once per process, each a worker of its own; this one only checked
+        # that the app imports and the options hold, so that a mistake is reported once
+        command = [sys.executable, "-m", "flowly", *args.arguments, "--processes", "1"]
+        return supervise(command, args.processes, {**os.environ, "FLOWLY_DSN": args.dsn})
     asyncio.run(worker.run())
     return EXIT_OK
 
@@ -821,6 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(arguments)
+        args.arguments = arguments  # as given: `worker --processes N` runs them again
         if not getattr(args, "handler", None):
             if json_errors:
                 raise CliError("flowly: a COMMAND is required", EXIT_USAGE)

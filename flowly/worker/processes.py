@@ -1,0 +1,146 @@
+"""Several worker processes under one command: ``flowly worker --processes N``.
+
+A worker runs its Python on one core. Where the machine has cores to spare, a second
+process drains about half as much again (two processes drained 1.52 times one on two cores,
+see bench/RESULTS.md), so one command, one systemd unit or one container can use them all.
+The supervisor starts N copies of the same ``flowly worker`` command, each a worker of its
+own (its own worker id, connections and leases), and:
+
+- passes SIGTERM and SIGINT on to them, and exits once they all have (each drains and
+  releases its runs as a lone worker does);
+- replaces one that a signal killed (the OOM killer, a segfault, a stray ``kill -9``) after
+  a pause, which grows while its replacements die young; the runs it held are taken over
+  when their leases expire, as for any crashed worker;
+- stops the others when one exits by itself: a worker exits only for what it cannot mend (a
+  database or a role that does not exist, a schema it refuses), which every copy would meet
+  again. The supervisor then exits with that worker's status.
+
+On Linux each worker is sent SIGTERM when its supervisor dies, so a ``kill -9`` of the
+supervisor leaves no worker running unsupervised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+# how often the supervisor looks at its workers (it has nothing else to do)
+_LOOK_EVERY = 0.1
+# the pause before a killed worker is replaced: at first, at most; a replacement that lived
+# _SETTLED seconds counts as healthy, and the next pause starts again from the first
+_FIRST_PAUSE, _MAX_PAUSE, _SETTLED = 1.0, 30.0, 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class _Slot:
+    """One of the N places a worker process fills, through its replacements."""
+
+    number: int
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    pause: float = _FIRST_PAUSE
+    replace_at: float | None = None
+
+
+def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) -> int:
+    """Run ``processes`` copies of ``command`` until a signal stops them or one of them ends by
+    itself; returns the exit status for the supervisor (0, or the status of the worker that
+    ended by itself)."""
+    slots = [_Slot(number) for number in range(1, processes + 1)]
+    stopping = False
+    status = 0
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        if not stopping:
+            logger.info("%s: stopping the %d worker processes", signal.Signals(signum).name,
+                        processes)
+        stopping = True
+        _signal_all(slots, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for slot in slots:
+            _start(slot, command, env)
+        while True:
+            now = time.monotonic()
+            for slot in slots:
+                process = slot.process
+                if process is not None and process.poll() is not None:
+                    slot.process = None
+                    if stopping:
+                        continue
+                    if process.returncode < 0:
+                        _schedule_replacement(slot, process, now)
+                    else:
+                        logger.error("worker process %d (pid %d) exited with status %d;"
+                                     " stopping the others", slot.number, process.pid,
+                                     process.returncode)
+                        status = process.returncode
+                        stopping = True
+                        _signal_all(slots, signal.SIGTERM)
+                if (not stopping and slot.process is None and slot.replace_at is not None
+                        and now >= slot.replace_at):
+                    _start(slot, command, env)
+            if stopping and all(slot.process is None for slot in slots):
+                return status
+            time.sleep(_LOOK_EVERY)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _signal_all(slots, signal.SIGTERM)  # only if the supervisor itself failed
+
+
+def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str]) -> None:
+    slot.process = subprocess.Popen(
+        command, env=dict(env), preexec_fn=_stopped_with(os.getpid()))
+    slot.started = time.monotonic()
+    slot.replace_at = None
+    logger.info("worker process %d started (pid %d)", slot.number, slot.process.pid)
+
+
+def _schedule_replacement(slot: _Slot, process: subprocess.Popen[bytes], now: float) -> None:
+    if now - slot.started >= _SETTLED:
+        slot.pause = _FIRST_PAUSE
+    logger.warning("worker process %d (pid %d) was killed by %s; another starts in %gs",
+                   slot.number, process.pid, signal.Signals(-process.returncode).name,
+                   slot.pause)
+    slot.replace_at = now + slot.pause
+    slot.pause = min(slot.pause * 2, _MAX_PAUSE)
+
+
+def _signal_all(slots: Sequence[_Slot], sig: int) -> None:
+    for slot in slots:
+        if slot.process is not None and slot.process.poll() is None:
+            slot.process.send_signal(sig)
+
+
+def _stopped_with(supervisor: int) -> Callable[[], None] | None:
+    """What a worker runs before it starts, on Linux: SIGTERM to itself when its supervisor
+    dies (at once if it died already)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        # until the exec, the supervisor's own handler would only note a SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != supervisor:
+            os._exit(1)
+
+    return preexec

@@ -1,0 +1,117 @@
+"""``flowly worker --processes N``: N worker processes under one supervisor, as real processes
+(a worker killed with SIGKILL, a supervisor killed with SIGKILL, signals passed on)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Any
+
+import psutil
+import psycopg
+import pytest
+
+import flowly
+from tests.support import WorkerProcess, scalar, wait_for
+from tests.test_cli import flowly as flowly_command
+from tests.test_cli import one_error_line
+
+
+def _serving(db: psycopg.Connection[Any], supervisor: WorkerProcess) -> set[int]:
+    """The pids of the supervisor's live worker processes that registered in
+    flowly.workers."""
+    registered = {int(worker_id.rsplit(":", 2)[1]) for (worker_id,) in
+                  db.execute("select id from flowly.workers").fetchall()}
+    children = {child.pid for child in psutil.Process(supervisor.pid).children()
+                if child.status() != psutil.STATUS_ZOMBIE}
+    return registered & children
+
+
+def _drained(db: psycopg.Connection[Any], client: flowly.Client, runs: int) -> None:
+    run_ids = [client.start("quick", {"n": n}) for n in range(runs)]
+    for run_id in run_ids:
+        assert client.wait(run_id, timeout=30).status == "completed"
+
+
+def _gone(pids: set[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                   != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+def test_processes_serve_together_a_killed_one_is_replaced_and_sigterm_stops_all(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    supervisor = WorkerProcess(dsn, "--processes", "2")
+    try:
+        first = wait_for(lambda: len(pids := _serving(db, supervisor)) == 2 and pids,
+                         what="two worker processes registered")
+        _drained(db, client, 20)
+
+        killed = min(first)
+        psutil.Process(killed).send_signal(signal.SIGKILL)
+        second = wait_for(lambda: len(pids := _serving(db, supervisor)) == 2
+                          and killed not in pids and pids, what="the killed one replaced")
+        assert len(second & first) == 1  # the other one served on
+        assert supervisor.proc.poll() is None
+        _drained(db, client, 20)
+
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.proc.wait(30) == 0
+        log = supervisor.stop()
+    finally:
+        if supervisor.proc.poll() is None:
+            sys.stderr.write(supervisor.kill())
+    assert wait_for(lambda: _gone(second), what="the workers gone")
+    assert "worker process 1 (pid" in log and "was killed by SIGKILL" in log, log
+    assert f"worker process 1 started (pid {killed})" in log or \
+        f"worker process 2 started (pid {killed})" in log, log
+    # each live worker drained and unregistered itself; only the killed one's row is left
+    ids = [row[0] for row in db.execute("select id from flowly.workers").fetchall()]
+    assert [int(worker_id.rsplit(":", 2)[1]) for worker_id in ids] == [killed], log
+    assert scalar(db, "select count(*) from flowly.runs where status <> 'completed'") == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="workers follow their supervisor's death on Linux only")
+def test_a_supervisor_killed_with_sigkill_leaves_no_worker_running(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    supervisor = WorkerProcess(dsn, "--processes", "2")
+    workers: set[int] = set()
+    try:
+        workers = wait_for(lambda: len(pids := _serving(db, supervisor)) == 2 and pids,
+                           what="two worker processes registered")
+        supervisor.proc.kill()
+        supervisor.proc.wait(10)
+        assert wait_for(lambda: _gone(workers), timeout=30, what="the orphaned workers gone")
+    finally:  # not communicate(): workers left running would hold its pipe open
+        for pid in workers:
+            if psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
+        if supervisor.proc.poll() is None:
+            supervisor.proc.kill()
+        assert supervisor.proc.stdout is not None
+        supervisor.proc.stdout.close()
+    # they stopped as on SIGTERM: drained and unregistered, not killed
+    assert scalar(db, "select count(*) from flowly.workers") == 0
+
+
+def test_a_worker_that_exits_by_itself_stops_the_others_with_its_status(dsn: str) -> None:
+    """A worker exits only for what every copy would meet again (here, a database that does
+    not exist): the supervisor stops the others and exits with its status, at once."""
+    missing = psycopg.conninfo.make_conninfo(dsn, dbname="flowly_no_such_database")
+    began = time.monotonic()
+    result = flowly_command("worker", "--app", "tests.workflows", "--processes", "3",
+                            dsn=missing, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert time.monotonic() - began < 30
+    assert 'database "flowly_no_such_database" does not exist' in result.stderr
+    assert "exited with status 1; stopping the others" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_processes_below_one_is_a_usage_error(dsn: str) -> None:
+    error = one_error_line(flowly_command("worker", "--app", "tests.workflows", "--processes",
+                                          "0", dsn=dsn), 2)
+    assert error == "error: --processes must be at least 1, got 0"
