@@ -51,6 +51,7 @@ class _Slot:
     started: float = 0.0
     pause: float = _FIRST_PAUSE
     replace_at: float | None = None
+    told_to_stop: bool = False
 
 
 def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) -> int:
@@ -67,7 +68,7 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) ->
             logger.info("%s: stopping the %d worker processes", signal.Signals(signum).name,
                         processes)
         stopping = True
-        _signal_all(slots, signal.SIGTERM)
+        _stop_all(slots)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -89,17 +90,20 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) ->
                                      process.returncode)
                         status = process.returncode
                         stopping = True
-                        _signal_all(slots, signal.SIGTERM)
+                        _stop_all(slots)
                 if (not stopping and slot.process is None and slot.replace_at is not None
                         and now >= slot.replace_at):
                     _start(slot, command, env)
-            if stopping and all(slot.process is None for slot in slots):
-                return status
+            if stopping:
+                # a process started while the signal was being handled is told here
+                _stop_all(slots)
+                if all(slot.process is None for slot in slots):
+                    return status
             time.sleep(_LOOK_EVERY)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _signal_all(slots, signal.SIGTERM)  # only if the supervisor itself failed
+        _stop_all(slots)  # only if the supervisor itself failed
 
 
 def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str]) -> None:
@@ -107,6 +111,7 @@ def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str]) -> None:
         command, env=dict(env), preexec_fn=_stopped_with(os.getpid()))
     slot.started = time.monotonic()
     slot.replace_at = None
+    slot.told_to_stop = False
     logger.info("worker process %d started (pid %d)", slot.number, slot.process.pid)
 
 
@@ -120,10 +125,12 @@ def _schedule_replacement(slot: _Slot, process: subprocess.Popen[bytes], now: fl
     slot.pause = min(slot.pause * 2, _MAX_PAUSE)
 
 
-def _signal_all(slots: Sequence[_Slot], sig: int) -> None:
+def _stop_all(slots: Sequence[_Slot]) -> None:
+    """SIGTERM, once, to each worker process not yet told to stop."""
     for slot in slots:
-        if slot.process is not None and slot.process.poll() is None:
-            slot.process.send_signal(sig)
+        if slot.process is not None and not slot.told_to_stop and slot.process.poll() is None:
+            slot.process.send_signal(signal.SIGTERM)
+            slot.told_to_stop = True
 
 
 def _stopped_with(supervisor: int) -> Callable[[], None] | None:
