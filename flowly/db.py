@@ -14,6 +14,7 @@ import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 import psycopg
@@ -117,6 +118,17 @@ def _has_nul_escape(text: str) -> bool:
 _ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
+def _encode(value: Any) -> str:
+    """``_ENCODER.encode(value)``, as it runs it (the C encoder, given fresh circular-reference
+    markers), without the closures it builds at every call, which cost as much as writing a
+    small value. A C encoder is not reused from call to call: its markers would be shared
+    between threads, and keep stale entries after a failure."""
+    if c_make_encoder is None or isinstance(value, str):
+        return _ENCODER.encode(value)
+    return "".join(c_make_encoder(
+        {}, _ENCODER.default, encode_basestring, None, ":", ",", False, False, False)(value, 0))
+
+
 def dumps(value: Any) -> str:
     """Serialise a value to JSON text that Postgres jsonb accepts, or raise ValueError.
 
@@ -125,7 +137,7 @@ def dumps(value: Any) -> str:
     writes in the database.
     """
     try:
-        text = _ENCODER.encode(value)
+        text = _encode(value)
     except RecursionError:  # nested too deeply for json (read by deep_json, say)
         text = deep_json.dumps_without_recursion(value, allow_nan=False, ensure_ascii=False)
     if _has_nul_escape(text):

@@ -141,3 +141,28 @@ def test_the_decoder_without_recursion_reads_what_json_loads_reads() -> None:
         with pytest.raises(json.JSONDecodeError):
             decode(bad)
     assert _depth(loads(_nested(100_000).encode())) == 100_000
+
+
+def test_loads_reads_what_json_loads_reads_and_refuses_it_the_same_way() -> None:
+    """loads scans a value without json.loads's wrapper when nothing surrounds it (jsonb's
+    text): with or without white space, as text or UTF-8 bytes, it must read what json.loads
+    reads, and refuse what json.loads refuses with json.loads's own message."""
+    rng_state = random.getstate()
+    random.seed(12)
+    try:
+        for _ in range(500):
+            text = json.dumps(_random_document(), indent=random.choice([None, 1]),
+                              ensure_ascii=random.choice([True, False]))
+            text = random.choice(["", " ", "\n"]) + text + random.choice(["", " ", "\n"])
+            assert loads(text) == json.loads(text), text
+            assert loads(text.encode()) == json.loads(text), text
+    finally:
+        random.setstate(rng_state)
+    for bad in ["[1,]", '{"a" 1}', "[1", "[1] x", "1 2", "", " ", "nul", '["a]', '"\\x"']:
+        with pytest.raises(json.JSONDecodeError) as refused:
+            loads(bad)
+        with pytest.raises(json.JSONDecodeError) as expected:
+            json.loads(bad)
+        assert str(refused.value) == str(expected.value), bad
+    assert loads("NaN") != loads("NaN")  # as json.loads reads it
+    assert _depth(loads(" " + _nested(DEPTH))) == DEPTH
