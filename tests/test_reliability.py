@@ -161,6 +161,46 @@ def test_a_nul_is_told_from_the_letters_of_its_escape_in_text_full_of_backslashe
         dumps(text + "\x00")
 
 
+def test_dumps_writes_what_json_dumps_writes_and_refuses_the_same_values() -> None:
+    """flowly's dumps drives the C encoder itself: every value must come out as json.dumps
+    writes it with the same options, and every value json.dumps refuses is refused alike."""
+    import random
+
+    rng = random.Random(13)
+
+    def document(depth: int = 0) -> Any:
+        roll = rng.random()
+        if depth > 3 or roll < 0.4:
+            return rng.choice([None, True, False, rng.randint(-10**20, 10**20), rng.random() * 1e9,
+                               -0.0, "quote \" back \\ é \u2028 \U0001f600", "", 7])
+        if roll < 0.7:
+            return [document(depth + 1) for _ in range(rng.randint(0, 4))]
+        if roll < 0.8:
+            return tuple(document(depth + 1) for _ in range(rng.randint(0, 3)))
+        return {rng.choice(["k", "é", 1, 2.5, None, True]): document(depth + 1)
+                for _ in range(rng.randint(0, 4))}
+
+    for _ in range(1000):
+        value = document()
+        assert dumps(value) == json.dumps(value, allow_nan=False, ensure_ascii=False,
+                                          separators=(",", ":")), value
+    circular: list[Any] = []
+    circular.append(circular)
+    for bad in [float("inf"), [1, float("nan")], {"a": object()}, {(1, 2): 3}, circular]:
+        with pytest.raises((TypeError, ValueError)) as refused:
+            dumps(bad)
+        with pytest.raises((TypeError, ValueError)) as expected:
+            json.dumps(bad, allow_nan=False)
+        assert (type(refused.value), str(refused.value)) == (
+            type(expected.value), str(expected.value))
+    # the containers a failed call was inside are not taken for circular by the next call
+    holder: list[Any] = [1, object()]
+    with pytest.raises(TypeError):
+        dumps({"x": holder})
+    holder.pop()
+    assert dumps({"x": holder}) == '{"x":[1]}'
+
+
 def test_a_blocked_event_loop_keeps_the_leases_and_names_the_culprit(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
     caplog: pytest.LogCaptureFixture,
