@@ -97,9 +97,10 @@ def test_a_supervisor_killed_with_sigkill_leaves_no_worker_running(
     assert scalar(db, "select count(*) from flowly.workers") == 0
 
 
-def test_a_worker_that_exits_by_itself_stops_the_others_with_its_status(dsn: str) -> None:
-    """A worker exits only for what every copy would meet again (here, a database that does
-    not exist): the supervisor stops the others and exits with its status, at once."""
+def test_a_worker_that_cannot_start_stops_the_others_with_its_status(dsn: str) -> None:
+    """A worker that exits with an error of its own as it starts (here, a database that does
+    not exist) met what every copy would meet again: the supervisor stops the others and exits
+    with its status, at once."""
     missing = psycopg.conninfo.make_conninfo(dsn, dbname="flowly_no_such_database")
     began = time.monotonic()
     result = flowly_command("worker", "--app", "tests.workflows", "--processes", "3",
@@ -107,8 +108,34 @@ def test_a_worker_that_exits_by_itself_stops_the_others_with_its_status(dsn: str
     assert result.returncode == 1, result.stderr
     assert time.monotonic() - began < 30
     assert 'database "flowly_no_such_database" does not exist' in result.stderr
-    assert "exited with status 1; stopping the others" in result.stderr
+    assert "could not start (exit status 1); stopping the others" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_that_kills_every_worker_ends_as_poison_and_the_others_serve_on(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    """A step that ends its worker's process (os._exit(3), as a C library's exit would) is not
+    a worker that cannot start: each worker it kills is replaced, the run ends as poison, and
+    the supervisor never stops serving the other runs."""
+    supervisor = WorkerProcess(dsn, "--processes", "2", "--lease", "0.5")
+    try:
+        wait_for(lambda: len(_serving(db, supervisor)) == 2, what="two workers registered")
+        run_id = client.start("kills_its_worker", None)
+        run = client.wait(run_id, timeout=90)
+        assert supervisor.proc.poll() is None
+        wait_for(lambda: len(_serving(db, supervisor)) == 2, timeout=60,
+                 what="two workers serving again")
+        _drained(db, client, 10)
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.proc.wait(30) == 0
+        log = supervisor.stop()
+    finally:
+        if supervisor.proc.poll() is None:
+            sys.stderr.write(supervisor.kill())
+    assert run.status == "dead_letter" and run.error["type"] == "PoisonRun", run
+    assert "exited with status 3; another starts in 0.5s" in log, log
+    assert "could not start" not in log, log
 
 
 def test_processes_below_one_is_a_usage_error(dsn: str) -> None:

@@ -8,12 +8,14 @@ own (its own worker id, connections and leases), and:
 
 - passes SIGTERM and SIGINT on to them, and exits once they all have (each drains and
   releases its runs as a lone worker does);
-- replaces one that a signal killed (the OOM killer, a segfault, a stray ``kill -9``) after
-  a pause, which grows while its replacements die young; the runs it held are taken over
-  when their leases expire, as for any crashed worker;
-- stops the others when one exits by itself: a worker exits only for what it cannot mend (a
-  database or a role that does not exist, a schema it refuses), which every copy would meet
-  again. The supervisor then exits with that worker's status.
+- replaces one that ended (killed by the OOM killer, a segfault, a stray ``kill -9``, or a
+  step that ended its process) after a pause, which grows while its replacements die young;
+  the runs it held are taken over when their leases expire, as for any crashed worker, and
+  a run that kills every worker that takes it ends as poison;
+- stops them all when one could not start: a worker that exits with an error of its own
+  (status 1 or 2, its ``error:`` line saying why) within seconds of its start met what it
+  cannot mend (a database or a role that does not exist, a schema it refuses), which every
+  copy and every replacement would meet again. The supervisor then exits with its status.
 
 On Linux each worker is sent SIGTERM when its supervisor dies, so a ``kill -9`` of the
 supervisor leaves no worker running unsupervised.
@@ -36,9 +38,15 @@ logger = logging.getLogger(__name__)
 
 # how often the supervisor looks at its workers (it has nothing else to do)
 _LOOK_EVERY = 0.1
-# the pause before a killed worker is replaced: at first, at most; a replacement that lived
-# _SETTLED seconds counts as healthy, and the next pause starts again from the first
-_FIRST_PAUSE, _MAX_PAUSE, _SETTLED = 1.0, 30.0, 60.0
+# the pause before a worker that ended is replaced: at first, at most (short: while a run
+# that kills every worker that takes it is on its way to poison, the paused places serve
+# nothing); a replacement that lived _SETTLED seconds counts as healthy, and the next pause
+# starts again from the first
+_FIRST_PAUSE, _MAX_PAUSE, _SETTLED = 0.5, 5.0, 60.0
+# the statuses `flowly worker` exits with for an error of its own, and how soon after its
+# start such an exit says that it could not start (a refused connection or schema is told
+# within a second; a database that cannot be reached yet is waited for, not an error)
+_OWN_ERRORS, _STARTING = (1, 2), 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,10 +72,11 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) ->
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
-        if not stopping:
-            logger.info("%s: stopping the %d worker processes", signal.Signals(signum).name,
+        # noted first: a second signal may run this again while the first one logs
+        stopped_before, stopping = stopping, True
+        if not stopped_before:
+            logger.info("%s: stopping the %d worker processes", _signal_name(signum),
                         processes)
-        stopping = True
         _stop_all(slots)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -82,15 +91,16 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) ->
                     slot.process = None
                     if stopping:
                         continue
-                    if process.returncode < 0:
-                        _schedule_replacement(slot, process, now)
-                    else:
-                        logger.error("worker process %d (pid %d) exited with status %d;"
-                                     " stopping the others", slot.number, process.pid,
+                    if (process.returncode in _OWN_ERRORS
+                            and now - slot.started < _STARTING):
+                        logger.error("worker process %d (pid %d) could not start (exit status"
+                                     " %d); stopping the others", slot.number, process.pid,
                                      process.returncode)
                         status = process.returncode
                         stopping = True
                         _stop_all(slots)
+                    else:
+                        _schedule_replacement(slot, process, now)
                 if (not stopping and slot.process is None and slot.replace_at is not None
                         and now >= slot.replace_at):
                     _start(slot, command, env)
@@ -118,11 +128,19 @@ def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str]) -> None:
 def _schedule_replacement(slot: _Slot, process: subprocess.Popen[bytes], now: float) -> None:
     if now - slot.started >= _SETTLED:
         slot.pause = _FIRST_PAUSE
-    logger.warning("worker process %d (pid %d) was killed by %s; another starts in %gs",
-                   slot.number, process.pid, signal.Signals(-process.returncode).name,
-                   slot.pause)
+    code = process.returncode
+    how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+    logger.warning("worker process %d (pid %d) %s; another starts in %gs", slot.number,
+                   process.pid, how, slot.pause)
     slot.replace_at = now + slot.pause
     slot.pause = min(slot.pause * 2, _MAX_PAUSE)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal, say
+        return f"signal {number}"
 
 
 def _stop_all(slots: Sequence[_Slot]) -> None:
