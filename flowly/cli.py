@@ -158,7 +158,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest step or workflow output, in bytes of JSON (8 MiB)")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="worker processes to run, each with this concurrency, under one"
-                             " supervisor that replaces a killed one (1)")
+                             " supervisor that replaces one that ends (1)")
     parser.add_argument("--purge-after", type=_age, metavar="AGE",
                         help="delete runs finished longer ago than this (30d, 12h...), with"
                              " their history, a bounded batch at a time (default: never)")

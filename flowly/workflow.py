@@ -76,8 +76,8 @@ def workflow(name: str, *, queue: str = "default", max_attempts: int = 3) -> Cal
 
 def is_async(fn: Any) -> bool:
     """``async def`` (also behind functools.partial or as an async ``__call__``)."""
-    # asked at every step: a plain ``async def`` is told by its code's flags alone, where
-    # inspect's general answer costs about as much as the rest of a no-op step's checks
+    # asked at every step: a plain ``async def`` is told by its code's flags alone, before
+    # the general answer, which looks through partials, methods and markers first
     if type(fn) is FunctionType and fn.__code__.co_flags & inspect.CO_COROUTINE:
         return True
     while isinstance(fn, functools.partial):
