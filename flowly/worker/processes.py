@@ -63,9 +63,9 @@ class _Slot:
 
 
 def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) -> int:
-    """Run ``processes`` copies of ``command`` until a signal stops them or one of them ends by
-    itself; returns the exit status for the supervisor (0, or the status of the worker that
-    ended by itself)."""
+    """Run ``processes`` copies of ``command``, each replaced when it ends, until a signal
+    stops them or one of them could not start; returns the exit status for the supervisor
+    (0, or the status of the worker that could not start)."""
     slots = [_Slot(number) for number in range(1, processes + 1)]
     stopping = False
     status = 0
