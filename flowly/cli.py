@@ -266,7 +266,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # the same command once per process, each a worker of its own; this one only checked
         # that the app imports and the options hold, so that a mistake is reported once
         command = [sys.executable, "-m", "flowly", *args.arguments, "--processes", "1"]
-        return supervise(command, args.processes, {**os.environ, "FLOWLY_DSN": args.dsn})
+        return supervise(command, args.processes, {**os.environ, "FLOWLY_DSN": args.dsn},
+                         own_errors=(EXIT_FAILED, EXIT_USAGE))
     asyncio.run(worker.run())
     return EXIT_OK
 

@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
@@ -43,10 +43,10 @@ _LOOK_EVERY = 0.1
 # nothing); a replacement that lived _SETTLED seconds counts as healthy, and the next pause
 # starts again from the first
 _FIRST_PAUSE, _MAX_PAUSE, _SETTLED = 0.5, 5.0, 60.0
-# the statuses `flowly worker` exits with for an error of its own, and how soon after its
-# start such an exit says that it could not start (a refused connection or schema is told
-# within a second; a database that cannot be reached yet is waited for, not an error)
-_OWN_ERRORS, _STARTING = (1, 2), 10.0
+# how soon after its start a worker's exit with an error of its own says that it could not
+# start (a refused connection or schema is told within a second; a database that cannot be
+# reached yet is waited for, not an error)
+_STARTING = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -62,10 +62,13 @@ class _Slot:
     told_to_stop: bool = False
 
 
-def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) -> int:
+def supervise(command: Sequence[str], processes: int, env: Mapping[str, str],
+              own_errors: Collection[int]) -> int:
     """Run ``processes`` copies of ``command``, each replaced when it ends, until a signal
-    stops them or one of them could not start; returns the exit status for the supervisor
-    (0, or the status of the worker that could not start)."""
+    stops them or one of them could not start (exited with one of ``own_errors``, the
+    statuses the command exits with for an error of its own, soon after its start); returns
+    the exit status for the supervisor (0, or the status of the worker that could not
+    start)."""
     slots = [_Slot(number) for number in range(1, processes + 1)]
     stopping = False
     status = 0
@@ -91,7 +94,7 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str]) ->
                     slot.process = None
                     if stopping:
                         continue
-                    if (process.returncode in _OWN_ERRORS
+                    if (process.returncode in own_errors
                             and now - slot.started < _STARTING):
                         logger.error("worker process %d (pid %d) could not start (exit status"
                                      " %d); stopping the others", slot.number, process.pid,
