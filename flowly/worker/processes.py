@@ -1,8 +1,8 @@
 """Several worker processes under one command: ``flowly worker --processes N``.
 
 A worker runs its Python on one core. Where the machine has cores to spare, a second
-process drains about half as much again (two processes drained 1.52 times one on two cores,
-see bench/RESULTS.md), so one command, one systemd unit or one container can use them all.
+process drains about half as much again (two processes drained 1.47 to 1.53 times one on
+two cores, see bench/RESULTS.md), so one command, one systemd unit or one container can use them all.
 The supervisor starts N copies of the same ``flowly worker`` command, each a worker of its
 own (its own worker id, connections and leases), and:
 
@@ -82,10 +82,11 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str],
                         processes)
         _stop_all(slots)
 
+    before_exec = _stopped_with(os.getpid())
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for slot in slots:
-            _start(slot, command, env)
+            _start(slot, command, env, before_exec)
         while True:
             now = time.monotonic()
             for slot in slots:
@@ -106,7 +107,7 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str],
                         _schedule_replacement(slot, process, now)
                 if (not stopping and slot.process is None and slot.replace_at is not None
                         and now >= slot.replace_at):
-                    _start(slot, command, env)
+                    _start(slot, command, env, before_exec)
             if stopping:
                 # a process started while the signal was being handled is told here
                 _stop_all(slots)
@@ -119,9 +120,9 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str],
         _stop_all(slots)  # only if the supervisor itself failed
 
 
-def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str]) -> None:
-    slot.process = subprocess.Popen(
-        command, env=dict(env), preexec_fn=_stopped_with(os.getpid()))
+def _start(slot: _Slot, command: Sequence[str], env: Mapping[str, str],
+           before_exec: Callable[[], None] | None) -> None:
+    slot.process = subprocess.Popen(command, env=dict(env), preexec_fn=before_exec)
     slot.started = time.monotonic()
     slot.replace_at = None
     slot.told_to_stop = False
