@@ -2,8 +2,8 @@
 
 A worker runs its Python on one core. Where the machine has cores to spare, a second
 process drains about half as much again (two processes drained 1.47 to 1.53 times one on
-two cores, see bench/RESULTS.md), so one command, one systemd unit or one container can use them all.
-The supervisor starts N copies of the same ``flowly worker`` command, each a worker of its
+two cores, see bench/RESULTS.md), so one command, one systemd unit or one container can use
+them all. The supervisor starts N copies of the same ``flowly worker`` command, each a worker of its
 own (its own worker id, connections and leases), and:
 
 - passes SIGTERM and SIGINT on to them, and exits once they all have (each drains and
