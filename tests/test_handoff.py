@@ -457,13 +457,36 @@ def test_a_hand_off_never_overtakes_a_due_run_of_its_priority_or_above(
     assert handed(6)
 
 
+def lease_left(db: psycopg.Connection[Any], run_id: str) -> float:
+    return float(scalar(db, "select extract(epoch from locked_until - clock_timestamp())"
+                            " from flowly.runs where id = %s", run_id))
+
+
+def test_a_handed_run_s_first_lease_is_extended_only_once_half_of_it_has_passed(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A handed run begins on its first lease (5 s). Most runs end within it, so the worker
+    extends it to a whole lease only for a run still running once half of it is left: a
+    short run costs no heartbeat."""
+    with running_worker(dsn, workflows=["three_steps"], lease=120, poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        run_id = client.start("three_steps", {"step_seconds": 2})
+        wait_for(lambda: effects(db, run_id), timeout=5, what="the first step begun")
+        young = lease_left(db, run_id)
+        time.sleep(3.5)
+        grown = lease_left(db, run_id)
+        assert client.wait(run_id, timeout=20).status == "completed"
+    assert handed_off(db, run_id)
+    assert young <= 5
+    assert grown > 100
+
+
 def test_a_handed_run_whose_first_extension_is_busy_is_not_run_twice_at_once(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
-    """A handed run begins on its first lease (5 s) and the worker extends it at once. That
-    heartbeat may find the run's row busy (the run's own first checkpoint, an operator's
-    short transaction): it is tried again until it extends the lease, not left to the
-    periodic beat a third of a whole lease later, after the first lease lapsed and another
-    worker took the run and began the step that was still running here."""
+    """The extension of a handed run's first lease, half-way through it, may find the run's
+    row busy (an operator's short transaction, say): it is tried again until it extends the
+    lease, not left to the periodic beat a third of a whole lease later, after the first
+    lease lapsed and another worker took the run and began the step that was still running
+    here."""
     with worker_process(dsn, "--lease", "120") as first:
         wait_for(lambda: scalar(db, "select worker_id from flowly.handoff_slots"),
                  what="an idle slot offered")
@@ -473,9 +496,10 @@ def test_a_handed_run_whose_first_extension_is_busy_is_not_run_twice_at_once(
             operator.execute("select from flowly.runs where id = %s for update", (run_id,))
             first.signal(signal.SIGCONT)
             wait_for(lambda: effects(db, run_id), timeout=5, what="the first step begun")
-            time.sleep(0.5)  # the extension, answered busy
+            time.sleep(3)  # past half of the first lease: the extension, answered busy
         with running_worker(dsn, workflows=["three_steps"], lease=120):
-            time.sleep(7)  # past the first lease, with a second worker claiming
+            # past the first lease, with a second worker claiming (the step still running)
+            time.sleep(4)
             ran = effects(db, run_id)
             epoch = scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id)
         first.stop()

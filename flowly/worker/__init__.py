@@ -609,7 +609,6 @@ class Worker:
 
     def _begin_handed(self, run: ClaimedRun, lease_until: float) -> None:
         held = self._begin(run, lease_until)
-        # after the run's task, so its first step goes before this call
         self._handoff_call(self._extend_handed_lease(held))
 
     def _may_begin(self, run: ClaimedRun) -> bool:
@@ -663,14 +662,16 @@ class Worker:
             self._begin_handed(run, sent + handed.lease_seconds)
 
     async def _extend_handed_lease(self, held: _Held) -> None:
-        """Extend a handed-off run's short first lease to a whole one: a heartbeat of it,
-        tried again at short pauses while the run's row is busy (the run's own first
-        checkpoint may hold it) or the call fails. The periodic beat comes only a third of a
-        whole lease later, after a first lease has lapsed: a run still unextended shortly
-        before its first lease ends is stopped here, as a lost one, since any claim may take
-        it from then on."""
+        """Extend a handed-off run's short first lease to a whole one, if the run still runs
+        here once half of that lease is left: most runs end sooner, and need no call. A
+        heartbeat of it, tried again at short pauses while the run's row is busy (an
+        operator's transaction may hold it) or the call fails. The periodic beat may come
+        only a third of a whole lease later, after a first lease has lapsed: a run still
+        unextended shortly before its first lease ends is stopped here, as a lost one, since
+        any claim may take it from then on."""
         pause = _EXTEND_RETRY_FIRST
         first_lease_end = held.lease_until
+        await asyncio.sleep((first_lease_end - time.monotonic()) / 2)
         while self._held.get(held.run_id) is held and held.lease_until <= first_lease_end:
             sent = time.monotonic()
             try:

@@ -5,10 +5,11 @@ offered slot, claims the run for that worker in its own transaction and sends it
 the worker's own channel. At commit the worker has what a claim would have returned, without
 a claim's round trip: the enqueue-to-first-step path is the start's commit and one NOTIFY.
 
-The run's first lease is short (``handoff_lease``), so the worker extends it at once with a
-heartbeat; everything else (fencing, heartbeats, release) is as for a claimed run. A run read
-late (its start's transaction committed long after the start, or the worker was frozen or its
-event loop blocked) may have lost that lease to a claim already: the payload says when the
+The run's first lease is short (``handoff_lease``), so the worker extends it with a heartbeat
+once half of it is left, if the run still runs (most end sooner, and cost no call); everything
+else (fencing, heartbeats, release) is as for a claimed run. A run read late (its start's
+transaction committed long after the start, or the worker was frozen or its event loop
+blocked) may have lost that lease to a claim already: the payload says when the
 lease ends on the server's clock, and a worker that cannot tell that enough of it is left
 confirms the run with a heartbeat before it begins it (migration 0032).
 
