@@ -99,7 +99,7 @@ def main() -> None:
           f" {2 * args.rounds if args.other else args.rounds}")
     print(f"{'checkout':<36} {'worker µs/run':>14} {'machine µs/run':>15} {'handed off':>11}")
     for name, rows in results.items():
-        worker, machine, handed = (statistics.median(column) for column in zip(*rows))
+        worker, machine, handed = (statistics.median(column) for column in zip(*rows, strict=True))
         print(f"{name + ' ' + str(roots[name]):<36.36} {worker:>14.0f} {machine:>15.0f}"
               f" {handed:>11.0%}")
 
