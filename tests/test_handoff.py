@@ -541,3 +541,48 @@ def test_a_start_rolled_back_to_a_savepoint_hands_nothing_off(
         again = client.start("three_steps", {})
         assert client.wait(again, timeout=15).status == "completed"
         assert handed_off(db, again)
+
+
+def test_runs_that_complete_while_the_worker_has_room_set_off_no_claim(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim after a run completes finds nothing when the last claim had room to spare: a
+    run started since was handed off, or came with its own notification. At a steady rate
+    that a worker keeps up with, a run costs one claim (the one that offers the next idle
+    slot after its hand-off), not two."""
+    claims: list[int] = []
+    claim = flowly.Worker._claim
+
+    async def counted(worker: flowly.Worker, limit: int) -> int:
+        claims.append(limit)
+        return await claim(worker, limit)
+
+    monkeypatch.setattr(flowly.Worker, "_claim", counted)
+    with running_worker(dsn, workflows=["echo"], poll_interval=60) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        before = len(claims)
+        run_ids = []
+        for value in range(5):
+            run_ids.append(client.start("echo", {"value": value}))
+            assert client.wait(run_ids[-1], timeout=10).output == value
+            wait_for(lambda: offered(db, worker.worker_id), what="the next slot offered")
+        time.sleep(0.3)  # a claim set off by the last completion would be counted
+        after = len(claims)
+    assert all(handed_off(db, run_id) for run_id in run_ids)
+    assert after - before == len(run_ids)
+
+
+def test_a_full_worker_claims_the_runs_it_had_no_room_for_as_soon_as_one_completes(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """The runs started while the worker was full wait for a completion, not for its next
+    poll (a minute here)."""
+    with running_worker(dsn, workflows=["three_steps"], concurrency=1,
+                        poll_interval=60) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        first = client.start("three_steps", {"step_seconds": 0.3})
+        later = [client.start("three_steps", {}) for _ in range(3)]
+        started = time.monotonic()
+        for run_id in [first, *later]:
+            assert client.wait(run_id, timeout=30).status == "completed"
+        assert time.monotonic() - started < 15
+    assert handed_off(db, first) and not any(handed_off(db, run_id) for run_id in later)

@@ -134,6 +134,8 @@ class _Held:
     # extended it was sent before then minus a lease (the server counts from later)
     lease_until: float
     task: asyncio.Task[None] | None = None
+    # its completion was written: the run left nothing behind for a claim to take
+    completed: bool = False
 
 
 class _RunStore:
@@ -299,6 +301,8 @@ class Worker:
         self._calls = Calls(schema)
         self._held: dict[str, _Held] = {}
         self._wakeup = asyncio.Event()
+        # whether the last claim may have left claimable runs behind (see _forget)
+        self._runs_may_wait = True
         # whether the listener is up: only then may the worker offer an idle slot, since a
         # run handed to it arrives by NOTIFY, on a channel of this instance alone
         self._listening = False
@@ -541,7 +545,10 @@ class Worker:
                 try:
                     claimed = await self._claim(free)
                 except (psycopg.Error, OSError) as exc:
+                    claimed = free  # as if runs were left: a run that ends claims again
                     logger.warning("claim failed, retrying in %.1fs: %s", self.poll_interval, exc)
+            # the claim took as many runs as it had room for (or had no room): more may wait
+            self._runs_may_wait = claimed >= free
             if claimed and claimed == free:
                 await asyncio.sleep(0)  # let finished runs free their slots, then claim again
                 continue
@@ -707,10 +714,15 @@ class Worker:
             logger.warning("could not give back run %s handed to us: %s", run.run_id, exc)
 
     def _forget(self, held: _Held, _task: asyncio.Task[None]) -> None:
-        """Drop a finished run from the held set, unless it was claimed again meanwhile."""
+        """Drop a finished run from the held set, unless it was claimed again meanwhile; claim
+        again when its slot may find a run: one the last claim had no room for, or this run
+        itself (released to sleep, failed for a retry, lost). A run that completed while the
+        worker had room to spare leaves nothing to claim: a run started since came by its
+        own notification."""
         if self._held.get(held.run_id) is held:
             del self._held[held.run_id]
-        self._wakeup.set()
+        if self._runs_may_wait or not held.completed:
+            self._wakeup.set()
 
     async def _listen(self) -> None:
         """Wake the claim loop on NOTIFY; reconnect after a dropped or hung connection."""
@@ -1029,6 +1041,7 @@ class Worker:
             # the database refused the output itself (an operator's constraint, a number
             # jsonb cannot hold): every attempt would meet the same refusal
             return await self._fail_run(held, refused.__cause__ or refused, False)
+        held.completed = True
         return "done"
 
     async def _fail_run(self, held: _Held, exc: BaseException, retryable: bool) -> str:
