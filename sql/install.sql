@@ -428,6 +428,12 @@ select not exists (select from schema_migrations where version = 66) as apply_mi
     insert into schema_migrations (version, name) values (66, '0066_steps_follow_their_runs_by_trigger');
 \endif
 
+select not exists (select from schema_migrations where version = 67) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0067_idle_slots_offered_without_a_claim.sql
+    insert into schema_migrations (version, name) values (67, '0067_idle_slots_offered_without_a_claim');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -543,33 +543,39 @@ def test_a_start_rolled_back_to_a_savepoint_hands_nothing_off(
         assert handed_off(db, again)
 
 
-def test_runs_that_complete_while_the_worker_has_room_set_off_no_claim(
+def test_at_a_steady_rate_handed_off_runs_set_off_no_claim(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A claim after a run completes finds nothing when the last claim had room to spare: a
-    run started since was handed off, or came with its own notification. At a steady rate
-    that a worker keeps up with, a run costs one claim (the one that offers the next idle
-    slot after its hand-off), not two."""
-    claims: list[int] = []
-    claim = flowly.Worker._claim
+    """At a rate a worker keeps up with, runs are handed off one by one. A claim would find
+    nothing: a hand-off shows that no run was due ahead of it, and a run started meanwhile
+    that could not be handed off comes with a wake-up of its own. So after a hand-off the
+    worker only offers its next idle slot (0067), and a run that completes while the worker
+    had room to spare sets off nothing."""
+    calls: list[str] = []
+    claim, offer = flowly.Worker._claim, flowly.Worker._offer_slot
 
-    async def counted(worker: flowly.Worker, limit: int) -> int:
-        claims.append(limit)
+    async def claimed(worker: flowly.Worker, limit: int) -> int:
+        calls.append("claim")
         return await claim(worker, limit)
 
-    monkeypatch.setattr(flowly.Worker, "_claim", counted)
+    async def offered_slot(worker: flowly.Worker) -> None:
+        calls.append("offer")
+        await offer(worker)
+
+    monkeypatch.setattr(flowly.Worker, "_claim", claimed)
+    monkeypatch.setattr(flowly.Worker, "_offer_slot", offered_slot)
     with running_worker(dsn, workflows=["echo"], poll_interval=60) as worker:
         wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
-        before = len(claims)
+        before = len(calls)
         run_ids = []
         for value in range(5):
             run_ids.append(client.start("echo", {"value": value}))
             assert client.wait(run_ids[-1], timeout=10).output == value
             wait_for(lambda: offered(db, worker.worker_id), what="the next slot offered")
-        time.sleep(0.3)  # a claim set off by the last completion would be counted
-        after = len(claims)
+        time.sleep(0.3)  # a call set off by the last completion would be counted
+        made = calls[before:]
     assert all(handed_off(db, run_id) for run_id in run_ids)
-    assert after - before == len(run_ids)
+    assert made == ["offer"] * len(run_ids)
 
 
 def test_a_full_worker_claims_the_runs_it_had_no_room_for_as_soon_as_one_completes(
@@ -586,3 +592,41 @@ def test_a_full_worker_claims_the_runs_it_had_no_room_for_as_soon_as_one_complet
             assert client.wait(run_id, timeout=30).status == "completed"
         assert time.monotonic() - started < 15
     assert handed_off(db, first) and not any(handed_off(db, run_id) for run_id in later)
+
+
+def test_offer_slot_from_sql_offers_keeps_and_withdraws_an_idle_slot(
+        db: psycopg.Connection[Any]) -> None:
+    """offer_slot, the offer half of claim_and_offer: a slot offered, kept while young, taken
+    by a start, offered again, and withdrawn; a slot a start holds in an open transaction is
+    skipped, not waited for; a lease that is no lease is refused as claim refuses it."""
+    db.execute("select flowly.register_worker('w', array['echo'], array['default'],"
+               " '30 seconds')")
+    offer = ("select flowly.offer_slot('w', array['echo'], array['default'], '30 seconds',"
+             " %s)")
+
+    def slots() -> list[tuple[Any, ...]]:
+        return db.execute("select id, channel, expires_at, handed_run_id from"
+                          " flowly.handoff_slots where worker_id = 'w' order by id").fetchall()
+
+    db.execute(offer, ("w_channel",))
+    first = slots()
+    assert [(channel, handed) for _, channel, _, handed in first] == [("w_channel", None)]
+    db.execute(offer, ("w_channel",))
+    assert slots() == first  # a young offer stands as it is
+    run_id = scalar(db, "select flowly.start('echo', '{\"value\": 1}')")
+    assert handed_off(db, run_id) and slots() == []  # its commit used the slot up
+    db.execute(offer, ("w_channel",))
+    (slot_id, *_), = slots()
+    with psycopg.connect(db.info.dsn) as holder:
+        held = scalar(holder, "select flowly.start('echo', '{\"value\": 2}')")
+        db.execute("set lock_timeout = '2s'")
+        db.execute(offer, (None,))  # skips the slot the open start holds
+        assert [row[0] for row in slots()] == [slot_id]
+    assert handed_off(db, held) and slots() == []
+    db.execute(offer, ("w_channel",))
+    db.execute(offer, (None,))
+    assert slots() == []
+    with pytest.raises(psycopg.Error, match="lease must be a positive interval") as refused:
+        db.execute("select flowly.offer_slot('w', array['echo'], array['default'],"
+                   " '0 seconds', 'w_channel')")
+    assert refused.value.sqlstate == "WF003"

@@ -303,6 +303,8 @@ class Worker:
         self._wakeup = asyncio.Event()
         # whether the last claim may have left claimable runs behind (see _forget)
         self._runs_may_wait = True
+        # whether the claim loop was woken to claim, not only to offer an idle slot
+        self._claim_due = True
         # whether the listener is up: only then may the worker offer an idle slot, since a
         # run handed to it arrives by NOTIFY, on a channel of this instance alone
         self._listening = False
@@ -331,7 +333,7 @@ class Worker:
             loop.call_soon_threadsafe(self.stop)
             return
         self._stopping.set()
-        self._wakeup.set()
+        self._wake()
 
     async def run(self) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT when on the main thread).
@@ -539,11 +541,15 @@ class Worker:
     async def _claim_loop(self) -> None:
         while not self._stopping.is_set():
             self._wakeup.clear()  # before claiming: a NOTIFY during the claim is not lost
+            claim, self._claim_due = self._claim_due or self._runs_may_wait, False
             free = self.concurrency - len(self._held)
             claimed = 0
             if free > 0:
                 try:
-                    claimed = await self._claim(free)
+                    if claim:
+                        claimed = await self._claim(free)
+                    else:
+                        await self._offer_slot()
                 except (psycopg.Error, OSError) as exc:
                     claimed = free  # as if runs were left: a run that ends claims again
                     logger.warning("claim failed, retrying in %.1fs: %s", self.poll_interval, exc)
@@ -552,14 +558,37 @@ class Worker:
             if claimed and claimed == free:
                 await asyncio.sleep(0)  # let finished runs free their slots, then claim again
                 continue
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(self.poll_interval):
                     await self._wakeup.wait()
+            except TimeoutError:
+                self._claim_due = True  # the poll: runs come due by time, leases lapse
 
-    async def _claim(self, limit: int) -> int:
-        offering = self._listening and not self._stopping.is_set()
+    def _wake(self, claim: bool = True) -> None:
+        """Wake the claim loop: to claim, or only to offer the next idle slot (a hand-off
+        used its slot up, and showed that no run was due ahead of it)."""
+        self._claim_due = self._claim_due or claim
+        self._wakeup.set()
+
+    def _offering(self) -> bool:
+        """Whether the worker offers idle slots now (see handoff.py)."""
+        return self._listening and not self._stopping.is_set()
+
+    async def _read_server_clock_if_due(self, offering: bool) -> None:
         if offering and self._server_clock.due(time.monotonic()):
             await self._read_server_clock()
+
+    async def _offer_slot(self) -> None:
+        """Offer an idle slot without claiming (withdraw the offers when not offering)."""
+        offering = self._offering()
+        await self._read_server_clock_if_due(offering)
+        await self._call(self._calls.offer_slot, (
+            self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease),
+            self._handoff_channel if offering else None))
+
+    async def _claim(self, limit: int) -> int:
+        offering = self._offering()
+        await self._read_server_clock_if_due(offering)
         sent = time.monotonic()
         rows = await self._call(
             self._calls.claim_and_offer,
@@ -596,8 +625,11 @@ class Worker:
         handed = parse_handoff(payload)
         if handed is not None and handed.run.run_id in self._released_handoffs:
             handed = None  # released (and so claimable) since it was handed off
-        if handed is None or not self._accept_handoff(handed):
-            self._wakeup.set()
+        if handed is None:
+            self._wake()
+        elif not self._accept_handoff(handed):
+            # begun, its slot used up: only offer the next; given back: claimable again
+            self._wake(claim=self._held.get(handed.run.run_id) is None)
 
     def _accept_handoff(self, handed: HandOff) -> bool:
         """Begin the run while enough of its first lease is known to be left; confirm it first
@@ -659,7 +691,7 @@ class Worker:
             logger.warning("could not confirm run %s handed to us late: %s", run.run_id, exc)
             return
         finally:
-            self._wakeup.set()
+            self._wake()
         if rows:
             why = ("its row is locked by another transaction (a claim takes it once its lease"
                    " lapses)" if rows[0][1] == "busy" else "it was claimed again since")
@@ -722,7 +754,7 @@ class Worker:
         if self._held.get(held.run_id) is held:
             del self._held[held.run_id]
         if self._runs_may_wait or not held.completed:
-            self._wakeup.set()
+            self._wake()
 
     async def _listen(self) -> None:
         """Wake the claim loop on NOTIFY; reconnect after a dropped or hung connection."""
@@ -736,7 +768,7 @@ class Worker:
                                               self._start_listening(conn))
                     await self._release_missed_handoffs()
                     backoff = 0.1
-                    self._wakeup.set()  # catch up on anything started while we were away
+                    self._wake()  # catch up on anything started while we were away
                     # slots are offered once a notification is seen to reach this listener;
                     # sent from a task, so a database that hangs holds up no ping
                     probe, warned = ListenerProbe(), False
@@ -770,7 +802,7 @@ class Worker:
                     probing.cancel()
                     probing = None
                 self._listening = False
-                self._wakeup.set()  # a claim now withdraws the offer of an idle slot
+                self._wake()  # a claim now withdraws the offer of an idle slot
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -778,11 +810,11 @@ class Worker:
                                probe: ListenerProbe) -> None:
         """A wake-up, this listener's probe (slots may be offered now), or a hand-off."""
         if notification.channel != self._handoff_channel:
-            self._wakeup.set()
+            self._wake()
         elif ListenerProbe.is_probe(notification.payload):
             if notification.payload == probe.payload and not self._listening:
                 self._listening = True
-                self._wakeup.set()  # a claim now offers the idle slots
+                self._wake()  # a claim now offers the idle slots
         else:
             self._take_handoff(notification.payload)
             # the run's task goes first, up to its first step begun: before the listener

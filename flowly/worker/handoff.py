@@ -4,6 +4,8 @@ A worker whose claim left it a free slot offers one (``claim_and_offer``); ``sta
 offered slot, claims the run for that worker in its own transaction and sends it the run on
 the worker's own channel. At commit the worker has what a claim would have returned, without
 a claim's round trip: the enqueue-to-first-step path is the start's commit and one NOTIFY.
+The commit uses the slot up; the worker offers the next with ``offer_slot`` alone (migration
+0067), since a claim would find nothing that no wake-up announces.
 
 The run's first lease is short (``handoff_lease``), so the worker extends it with a heartbeat
 once half of it is left, if the run still runs (most end sooner, and cost no call); everything
