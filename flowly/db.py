@@ -325,7 +325,7 @@ class Calls:
             " from {s}.claim_and_offer(%s, %s, %s, %s, %s, %s) c,"
             " lateral (select coalesce(pg_column_size(c.input) > {most}, false) as deferred) l",
             most=CLAIMED_INPUT_BYTES)
-        self.offer_slot = q("select {s}.offer_slot(%s, %s, %s, %s, %s)")
+        self.offer_slot = q("select {s}.offer_slot(%s, %s, %s, %s, %s, %s)")
         self.claimed_input = q("select r.input from {s}.runs r"
                                " where r.id = %s and r.lease_epoch = %s")
         self.replay = q("select * from {s}.replay(%s, %s, %s)")

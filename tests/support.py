@@ -181,10 +181,11 @@ def checkpoint_as(conn: psycopg.Connection[Any], run_id: str, epoch: int, step: 
 
 
 def offer_as(db: psycopg.Connection[Any], worker: str, workflow: str, lease: str) -> None:
-    """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would."""
+    """Register a worker and offer an idle slot for ``workflow``, as a worker's claim would:
+    the claim of a worker with room for one run, whose slot one hand-off uses up."""
     db.execute("select flowly.register_worker(%s, array[%s], array['default'], %s)",
                (worker, workflow, lease))
-    db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 4, %s,"
+    db.execute("select * from flowly.claim_and_offer(%s, array[%s], array['default'], 1, %s,"
                " %s)", (worker, workflow, lease, f"{worker}_channel"))
 
 

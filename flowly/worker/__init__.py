@@ -579,12 +579,14 @@ class Worker:
             await self._read_server_clock()
 
     async def _offer_slot(self) -> None:
-        """Offer an idle slot without claiming (withdraw the offers when not offering)."""
+        """Offer an idle slot without claiming, with the room the worker has besides it
+        (withdraw the offers when not offering)."""
         offering = self._offering()
         await self._read_server_clock_if_due(offering)
         await self._call(self._calls.offer_slot, (
             self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease),
-            self._handoff_channel if offering else None))
+            self._handoff_channel if offering else None,
+            self.concurrency - len(self._held) - 1))
 
     async def _claim(self, limit: int) -> int:
         offering = self._offering()
@@ -628,8 +630,11 @@ class Worker:
         if handed is None:
             self._wake()
         elif not self._accept_handoff(handed):
-            # begun, its slot used up: only offer the next; given back: claimable again
-            self._wake(claim=self._held.get(handed.run.run_id) is None)
+            # given back: claimable again; begun: its slot offered again, or used up (then
+            # only offer the next)
+            given_back = self._held.get(handed.run.run_id) is None
+            if given_back or handed.slot_used_up:
+                self._wake(claim=given_back)
 
     def _accept_handoff(self, handed: HandOff) -> bool:
         """Begin the run while enough of its first lease is known to be left; confirm it first

@@ -4,8 +4,9 @@ A worker whose claim left it a free slot offers one (``claim_and_offer``); ``sta
 offered slot, claims the run for that worker in its own transaction and sends it the run on
 the worker's own channel. At commit the worker has what a claim would have returned, without
 a claim's round trip: the enqueue-to-first-step path is the start's commit and one NOTIFY.
-The commit uses the slot up; the worker offers the next with ``offer_slot`` alone (migration
-0067), since a claim would find nothing that no wake-up announces.
+The commit offers the slot again while the worker has room (the slot counts it down) and uses
+it up after; the worker then offers another with ``offer_slot`` alone (migration 0067), since
+a claim would find nothing that no wake-up announces.
 
 The run's first lease is short (``handoff_lease``), so the worker extends it with a heartbeat
 once half of it is left, if the run still runs (most end sooner, and cost no call); everything
@@ -75,6 +76,9 @@ class HandOff:
     # when the first lease ends on the server's clock (epoch seconds); None from a schema
     # before 0032, which did not say
     lease_until: float | None
+    # whether the slot the run came by was used up, so the worker offers another (0067: the
+    # room left in it, -1 for used up; a schema before it used every slot up)
+    slot_used_up: bool = True
 
 
 def parse_handoff(payload: str) -> HandOff | None:
@@ -83,6 +87,7 @@ def parse_handoff(payload: str) -> HandOff | None:
     try:
         fields: dict[str, Any] = deep_json.loads(payload)
         lease_until = fields.get("lease_until")
+        room = fields.get("room")
         return HandOff(
             ClaimedRun(
                 run_id=str(fields["run_id"]),
@@ -97,6 +102,7 @@ def parse_handoff(payload: str) -> HandOff | None:
             ),
             lease_seconds=float(fields["lease_seconds"]),
             lease_until=None if lease_until is None else float(lease_until),
+            slot_used_up=room is None or int(room) < 0,
         )
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         logger.warning("ignoring a hand-off notification that is not one (%s): %.200r",
