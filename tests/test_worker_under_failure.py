@@ -8,6 +8,7 @@ The workflows below are served by worker subprocesses started with
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import signal
@@ -567,3 +568,21 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
         logged = frozen.stop()
     assert "wake-up listener lost" in logged, logged
     assert f"ended the listener of worker {frozen_id}" in caplog.text, caplog.text
+
+
+def test_a_worker_whose_claims_fail_tries_again_at_its_poll_not_at_once(
+        dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A claim that fails (here a function every claim calls raises) is tried again at the
+    next poll: the failure must not read as a claim that filled every free slot, which loops
+    at once and floods the server and the log."""
+    caplog.set_level(logging.WARNING, logger="flowly.worker")
+    with running_worker(dsn, workflows=["quick"], poll_interval=0.3) as worker:
+        wait_for(lambda: scalar(db, "select count(*) from flowly.handoff_slots"
+                                    " where worker_id = %s", worker.worker_id),
+                 what="an idle slot offered")
+        db.execute("create or replace function flowly.dead_letter_stalled_runs()"
+                   " returns void language plpgsql as"
+                   " $$ begin raise exception 'claims fail in this test'; end $$")
+        time.sleep(1.5)
+        failures = caplog.text.count("claim failed")
+    assert 2 <= failures <= 10, failures

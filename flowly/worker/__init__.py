@@ -544,17 +544,20 @@ class Worker:
             claim, self._claim_due = self._claim_due or self._runs_may_wait, False
             free = self.concurrency - len(self._held)
             claimed = 0
+            # whether runs may be left behind: with no room to claim, or a claim that took as
+            # many runs as it had room for, or one that failed (a run that ends claims again)
+            runs_may_wait = free <= 0
             if free > 0:
                 try:
                     if claim:
                         claimed = await self._claim(free)
+                        runs_may_wait = claimed >= free
                     else:
                         await self._offer_slot()
                 except (psycopg.Error, OSError) as exc:
-                    claimed = free  # as if runs were left: a run that ends claims again
+                    runs_may_wait = True
                     logger.warning("claim failed, retrying in %.1fs: %s", self.poll_interval, exc)
-            # the claim took as many runs as it had room for (or had no room): more may wait
-            self._runs_may_wait = claimed >= free
+            self._runs_may_wait = runs_may_wait
             if claimed and claimed == free:
                 await asyncio.sleep(0)  # let finished runs free their slots, then claim again
                 continue
