@@ -23,11 +23,11 @@
 alter table handoff_slots add column room integer not null default 0;
 
 -- Offers one idle slot of the worker on p_handoff_channel, with p_room (the runs it can take
--- besides that slot's; 7 at most, see above), or withdraws its slots when the channel is null: a slot offered
--- before is kept while it is in the first half of its life and its room is p_room, rewritten
--- otherwise, and any more slots of the worker are deleted. Slots a start holds (an open
--- transaction) are skipped, never waited for. Also deletes a few slots of workers long gone
--- (each expires a lease after its worker's last offer).
+-- besides that slot's; 7 at most, see above), or withdraws its slots when the channel is
+-- null: a slot offered before is kept while it is in the first half of its life and its room
+-- is p_room, rewritten otherwise, and any more slots of the worker are deleted. Slots a start
+-- holds (an open transaction) are skipped, never waited for. Also deletes a few slots of
+-- workers long gone (each expires a lease after its worker's last offer).
 create function offer_slot(
     p_worker text, p_workflows text[], p_queues text[], p_lease interval,
     p_handoff_channel text, p_room integer default 0
