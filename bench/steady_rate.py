@@ -31,12 +31,12 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flowly
-from bench.common import ROOT, Child, CpuMeter, fresh_database
+from bench.common import ROOT, Child, CpuMeter, fresh_database, wait_done
 from bench.latency_ab import install
+from bench.throughput import UNFINISHED
 from flowly.config import resolve_dsn
 
 WORKFLOW = "bench.one_async"
-UNFINISHED = "select count(*) from flowly.runs where status <> 'completed'"
 
 
 def one_round(dsn: str, root: Path, rate: float, seconds: float) -> tuple[float, float, float]:
@@ -61,9 +61,11 @@ def one_round(dsn: str, root: Path, rate: float, seconds: float) -> tuple[float,
                 if pause > 0:
                     time.sleep(pause)
                 client.start(WORKFLOW)
-            while conn.execute(UNFINISHED).fetchone() != (0,):
-                time.sleep(0.01)
-            elapsed = time.perf_counter() - began
+            finished, done = wait_done(dsn, UNFINISHED, time.monotonic() + 60, interval=0.01)
+            if not done:
+                raise RuntimeError(f"runs of {WORKFLOW} still unfinished a minute after the"
+                                   " last start")
+            elapsed = finished - began
             worker_cores, machine_busy = cpu.read(elapsed)
             load = sum(me.cpu_times()[:2]) - mine
             handed = conn.execute("select avg((started_at = created_at)::int)::float8"

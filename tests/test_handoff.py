@@ -560,9 +560,9 @@ def test_at_a_steady_rate_handed_off_runs_set_off_no_claim(
         calls.append("claim")
         return await claim(worker, limit)
 
-    async def offered_slot(worker: flowly.Worker) -> None:
+    async def offered_slot(worker: flowly.Worker, free: int) -> None:
         calls.append("offer")
-        await offer(worker)
+        await offer(worker, free)
 
     monkeypatch.setattr(flowly.Worker, "_claim", claimed)
     monkeypatch.setattr(flowly.Worker, "_offer_slot", offered_slot)

@@ -553,7 +553,7 @@ class Worker:
                         claimed = await self._claim(free)
                         runs_may_wait = claimed >= free
                     else:
-                        await self._offer_slot()
+                        await self._offer_slot(free)
                 except (psycopg.Error, OSError) as exc:
                     runs_may_wait = True
                     logger.warning("claim failed, retrying in %.1fs: %s", self.poll_interval, exc)
@@ -581,15 +581,14 @@ class Worker:
         if offering and self._server_clock.due(time.monotonic()):
             await self._read_server_clock()
 
-    async def _offer_slot(self) -> None:
-        """Offer an idle slot without claiming, with the room the worker has besides it
-        (withdraw the offers when not offering)."""
+    async def _offer_slot(self, free: int) -> None:
+        """Offer an idle slot without claiming, with the room the worker has besides it (of
+        ``free`` in all; withdraw the offers when not offering)."""
         offering = self._offering()
         await self._read_server_clock_if_due(offering)
         await self._call(self._calls.offer_slot, (
             self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease),
-            self._handoff_channel if offering else None,
-            self.concurrency - len(self._held) - 1))
+            self._handoff_channel if offering else None, free - 1))
 
     async def _claim(self, limit: int) -> int:
         offering = self._offering()
