@@ -24,6 +24,7 @@ import psycopg
 import pytest
 
 import flowly
+from tests import workflows
 from tests.support import offer_as, running_worker, scalar, wait_for, worker_process
 
 
@@ -130,6 +131,61 @@ def test_a_run_handed_off_while_the_worker_s_listener_was_down_starts_once_it_is
     assert [pid for _, pid in effects(db, run_id)] == [deaf.pid] * 3  # once, by that worker
     # released (epoch 2), then claimed (3): the hand-off's epoch is fenced off
     assert scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id) == 3
+
+
+def test_every_run_a_slot_took_while_the_listener_was_down_starts_once_it_is_back(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A slot serves as many hand-offs as its worker has room for (0067), so a worker whose
+    listener was cut can be handed several runs that nobody hears of. All of them are
+    released when it listens again, each run once, none waiting for a lease or a poll."""
+    with worker_process(dsn, "--lease", "30", "--poll-interval", "30",
+                        "--concurrency", "4") as deaf:
+        wait_for(lambda: scalar(db, "select room from flowly.handoff_slots") == 3,
+                 what="an idle slot offered with room for three more runs")
+        deaf.signal(signal.SIGSTOP)
+        assert scalar(db, "select count(pg_terminate_backend(listener_pid))"
+                          " from flowly.workers where listener_pid is not null") == 1
+        run_ids = [client.start("three_steps", {"step_seconds": 0}) for _ in range(4)]
+        assert all(handed_off(db, run_id) for run_id in run_ids)
+        assert scalar(db, "select count(*) from flowly.handoff_slots") == 0  # used up
+        deaf.signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        runs = [client.wait(run_id, timeout=15) for run_id in run_ids]
+        waited = time.monotonic() - resumed
+        said = deaf.stop()
+    assert [run.status for run in runs] == ["completed"] * 4, said
+    assert waited < 4.5, said  # not after the 5 s first leases, nor the 30 s poll
+    for run_id in run_ids:
+        assert [pid for _, pid in effects(db, run_id)] == [deaf.pid] * 3
+        assert scalar(db, "select lease_epoch from flowly.runs where id = %s", run_id) == 3
+
+
+def test_a_handed_off_run_that_compensated_is_retried_by_the_idle_worker_at_once(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """A run handed off, dead-lettered after its compensations, then retried from SQL: the
+    idle worker takes the retry at once (its poll is a minute), re-runs the undone steps,
+    replays the one whose compensation failed, and undoes nothing twice."""
+    with running_worker(dsn, workflows=["saga"], poll_interval=60) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        run_id = "handed-saga"
+        workflows.SAGA_FAILS.add(run_id)
+        assert client.start("saga", None, run_id=run_id) == run_id
+        assert handed_off(db, run_id)
+        assert client.wait(run_id, timeout=30).status == "dead_letter"
+        log = workflows.CALLS[run_id]
+        assert log[-3:] == ["undo:s3", "undo:s2", "undo:s1"]
+        log.clear()
+        workflows.SAGA_FAILS.discard(run_id)
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        retried = time.monotonic()
+        assert scalar(db, "select flowly.retry_dead_letter(run_id => %s)", run_id) == run_id
+        run = client.wait(run_id, timeout=30)
+        waited = time.monotonic() - retried
+    assert run.status == "completed" and run.output == "ok" and run.generation == 2
+    assert waited < 10
+    assert log == ["do:s1", "do:s3", "do:s4"]
+    assert [(s.name, s.compensation_status) for s in client.steps(run_id)] == [
+        ("s1", None), ("s2", None), ("s3", None), ("s4", None)]
 
 
 def test_a_late_hand_off_whose_row_an_operator_holds_waits_for_a_claim(

@@ -61,9 +61,11 @@ from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .collector import collector_paced_for_runs
+from .due_timer import DueTimer
 from .first_connection import connect_when_reachable, delays
-from .handoff import ClaimedRun, HandOff, ListenerProbe, ServerClock, parse_handoff
+from .handoff import ClaimedRun, HandOff, ListenerProbe, parse_handoff
 from .heartbeat import Heartbeat, settle
+from .server_clock import ServerClock
 from .step_threads import StepThreads
 from .transactions import Transactions
 
@@ -183,6 +185,8 @@ class _RunStore:
         )
         logger.info("run %s step %r failed (%s): %s", self._held.run_id, name, row[0],
                     error["message"])
+        if row[0] == "retry":
+            await self._worker._claim_when_due(row[1])
         return str(row[0])
 
     async def start_run(
@@ -250,8 +254,10 @@ class Worker:
     ``max_connections`` bounds the pool whatever the concurrency (one more connection
     LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat; heartbeats
     go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
-    soon a timer or backoff that just expired is seen). On stop, in-flight runs get up to
-    ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
+    soon a timer or backoff is seen that another worker set, or that ends over an hour
+    ahead: the worker that released a run claims it again when it comes due). On stop,
+    in-flight runs get up to ``drain_timeout`` seconds to finish; the rest are released for
+    other workers at once.
     ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
     before anything is sent). With ``purge_after`` the worker deletes runs that finished
     longer ago than that, with their history, a bounded batch at a time every minute.
@@ -314,8 +320,10 @@ class Worker:
         # the runs handed to it that it released when it last began to listen (0054): a
         # notification of one read since is stale
         self._released_handoffs: set[str] = set()
-        # read while the worker offers slots: how much of a handed run's lease is left
+        # read while the worker offers slots (how much of a handed run's lease is left), and
+        # when it releases a run until a time (when to claim it again)
         self._server_clock = ServerClock(every=self.lease)
+        self._due_timer: DueTimer | None = None
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_threads = StepThreads(concurrency)
@@ -481,6 +489,7 @@ class Worker:
             max_connections=self.max_connections, threads=self._step_threads)
         background: list[asyncio.Task[None]] = []
         heartbeat: Heartbeat | None = None
+        self._due_timer = DueTimer(asyncio.get_running_loop(), self._wake)
         try:
             if not await self._register():
                 return
@@ -528,6 +537,7 @@ class Worker:
                 # heartbeat left behind would beat on for a worker that is gone
                 if heartbeat is not None:
                     heartbeat.stop()
+                self._due_timer.close()
                 self._step_threads.close()
                 closing_transactions = asyncio.ensure_future(
                     asyncio.to_thread(self._transactions.close))
@@ -683,7 +693,20 @@ class Worker:
             # the claim that follows fails too, and says so
             logger.debug("could not read the database server's clock: %s", exc)
             return
-        self._server_clock.record(sent, server_epoch)
+        self._server_clock.record(sent, server_epoch, time.monotonic())
+
+    async def _claim_when_due(self, due: datetime | None) -> None:
+        """Claim again when a run this worker just released (to sleep, to back off, to wait
+        with a timeout) comes due at ``due`` on the server's clock: then, not at the next
+        poll (see due_timer)."""
+        if due is None or self._due_timer is None:
+            return
+        when = self._server_clock.local_after(due.timestamp())
+        if when is None:
+            await self._read_server_clock()
+            when = self._server_clock.local_after(due.timestamp())
+        if when is not None:
+            self._due_timer.at(when)
 
     async def _confirm_handoff(self, handed: HandOff) -> None:
         """Renew the first lease of a run handed to this worker before beginning it: that
@@ -1049,8 +1072,9 @@ class Worker:
             # that failed decided instead, and the run is not parked
             if (decided := await _settled_decision(ctx)) is not None:
                 return decided
-            await run_write(held.run_id, partial(
+            (timeout_at,), = await run_write(held.run_id, partial(
                 self._call, self._calls.park, (held.run_id, held.epoch, ctx.waiting)))
+            await self._claim_when_due(timeout_at)
             return "done"
         except SleepInterrupt:
             # steps running beside the sleep land before the release; one that failed decides
@@ -1058,10 +1082,12 @@ class Worker:
                 return decided
             assert ctx.sleeping is not None
             name, wake_at, position = ctx.sleeping
-            (_, released), = await run_write(held.run_id, partial(
+            (stored_wake_at, released), = await run_write(held.run_id, partial(
                 self._call, self._calls.sleep,
                 (held.run_id, held.epoch, name, wake_at, None, position, True)))
-            if not released:  # its wake time passed meanwhile: a replay goes on at once
+            if released:
+                await self._claim_when_due(stored_wake_at)
+            else:  # its wake time passed meanwhile: a replay goes on at once
                 await run_write(held.run_id, partial(
                     self._call, self._calls.release, ([held.run_id], [held.epoch])))
             return "done"
@@ -1090,6 +1116,8 @@ class Worker:
         row = await run_write(held.run_id, partial(
             self._call_one, self._calls.fail_run,
             (held.run_id, held.epoch, Jsonb(error_info(exc)), retryable)))
+        if row[0] == "retry":
+            await self._claim_when_due(row[1])
         return str(row[0])
 
     async def _compensate(self, held: _Held, ctx: Context) -> None:

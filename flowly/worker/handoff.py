@@ -25,8 +25,6 @@ would wait out its whole first lease before a claim took it.
 from __future__ import annotations
 
 import logging
-import math
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -108,35 +106,3 @@ def parse_handoff(payload: str) -> HandOff | None:
         logger.warning("ignoring a hand-off notification that is not one (%s): %.200r",
                        exc, payload)
         return None
-
-
-class ServerClock:
-    """The database server's clock as this worker's monotonic clock sees it, to tell how much
-    of a handed-off run's first lease is left when its NOTIFY is read.
-
-    A reading pairs the monotonic time a query was sent with the server's ``clock_timestamp()``
-    in its answer. The server read its clock after the send, so the offset taken from the
-    pair is at least the true one: a lease's end mapped with it comes out early, never late.
-    Readings are due every ``every`` seconds and trusted for twice that, so a drifting or
-    stepped clock on either side is not trusted for long.
-    """
-
-    def __init__(self, every: float) -> None:
-        self.every = every
-        self._offset: float | None = None
-        self._read_at = -math.inf
-
-    def due(self, now: float) -> bool:
-        return now - self._read_at >= self.every
-
-    def record(self, sent: float, server_epoch: float) -> None:
-        self._offset = server_epoch - sent
-        self._read_at = sent
-
-    def local(self, server_epoch: float | None) -> float | None:
-        """The monotonic time at or before which the server's clock shows ``server_epoch``;
-        None if that cannot be told (no recent reading, or no time given)."""
-        if (server_epoch is None or self._offset is None
-                or time.monotonic() - self._read_at > 2 * self.every):
-            return None
-        return server_epoch - self._offset
