@@ -5,7 +5,9 @@ starts one run at a time with ``flowly.Client.start`` and waits for it with
 ``Client.wait``. The run's only step returns the wall-clock time it ran, so:
 
 - enqueue -> first step: the step's time minus the time just before ``start`` was called;
-- wait return delay: the time ``wait`` returned minus the run's ``finished_at``.
+- wait return delay: the time ``wait`` returned minus the run's ``finished_at``;
+- how late a durable sleep of 0.1 s ends: from the step before it to the step after it,
+  less the 0.1 s.
 
 Also the per-step cost of one workflow of many sequential no-op steps, and pgqueuer's
 enqueue -> job start on the same server (bench/peer/pgqueuer_latency.py), when installed.
@@ -70,6 +72,28 @@ def flowly_latency(dsn: str, runs: int, workflow: str = ASYNC_STEP
     finally:
         child.kill()
     return first, delay, enqueue
+
+
+def sleep_overshoot(dsn: str, runs: int, seconds: float = 0.1) -> list[float]:
+    """ms past a durable sleep of ``seconds`` until the step after it ran, for ``runs`` runs
+    one at a time on an idle worker that polls every 5 s: the release, the worker's timer,
+    the claim and the replay up to the sleep."""
+    child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow", "bench.nap",
+                   "--concurrency", "8", "--poll-interval", "5"])
+    late = []
+    try:
+        child.wait_ready()
+        child.send("go")
+        with flowly.Client(dsn) as client:
+            time.sleep(1.0)  # the worker is up, listening and idle
+            for _ in range(runs):
+                run = client.wait(client.start("bench.nap", seconds), timeout=30)
+                assert run.status == "completed", run
+                late.append(float(run.output) * 1000)
+        child.finish()
+    finally:
+        child.kill()
+    return late
 
 
 def step_cost(dsn: str, steps: int) -> float:
@@ -157,6 +181,8 @@ def main() -> None:
     parser.add_argument("--dsn", default=os.environ.get("FLOWLY_DSN"))
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--naps", type=int, default=50,
+                        help="runs that sleep 0.1 s durably, one at a time (50)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns flowly and pgqueuer take at the runs (4)")
     args = parser.parse_args()
@@ -169,7 +195,8 @@ def main() -> None:
     rows = {"flowly enqueue -> first step": quantiles(first),
             "flowly the same, a sync step": quantiles(sync_first),
             "flowly start() call alone": quantiles(enqueue),
-            "flowly Client.wait return delay": quantiles(delay)}
+            "flowly Client.wait return delay": quantiles(delay),
+            "flowly durable sleep 0.1 s, late by": quantiles(sleep_overshoot(dsn, args.naps))}
     if theirs:
         rows["pgqueuer enqueue -> job start"] = quantiles(theirs[0])
         rows["pgqueuer enqueue() call alone"] = quantiles(theirs[1])

@@ -64,3 +64,14 @@ async def first_async_step_time(ctx: flowly.Context, inp: Any) -> float:
     """The same with an async step function, as pgqueuer's job in latency.py is."""
     return float(await ctx.step("t", _now_async))
 
+
+
+@flowly.workflow("bench.nap")
+async def nap(ctx: flowly.Context, inp: Any) -> float:
+    """A durable sleep of ``inp`` seconds between two steps; returns how many seconds more
+    than that passed from the first step to the second (latency.py reads it). The first
+    step's time is replayed, not taken again, when the run resumes."""
+    before = float(await ctx.step("before", _now_async))
+    await ctx.sleep("nap", float(inp))
+    after = float(await ctx.step("after", _now_async))
+    return after - before - float(inp)
