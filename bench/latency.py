@@ -23,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -45,54 +47,53 @@ def quantiles(values: list[float]) -> dict[str, float]:
 ASYNC_STEP, SYNC_STEP = "bench.first_async_step_time", "bench.first_step_time"
 
 
-def flowly_latency(dsn: str, runs: int, workflow: str = ASYNC_STEP
-                   ) -> tuple[list[float], list[float], list[float]]:
-    """(enqueue -> first step ms, wait return delay ms, the ``start`` call alone ms) of
-    ``runs`` runs of ``workflow`` one at a time."""
+@contextmanager
+def idle_worker(dsn: str, workflow: str) -> Iterator[flowly.Client]:
+    """A client, once a worker process serving ``workflow`` is up, listening and idle (poll
+    interval 5 s, so NOTIFY is what wakes it); the worker is told to finish afterwards."""
     child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow",
                    workflow, "--concurrency", "8", "--poll-interval", "5"])
-    first, delay, enqueue = [], [], []
     try:
         child.wait_ready()
         child.send("go")
         with flowly.Client(dsn) as client:
-            time.sleep(1.0)  # the worker is up, listening and idle
-            for _ in range(runs):
-                before = time.time()
-                run_id = client.start(workflow)
-                enqueue.append((time.time() - before) * 1000)
-                run = client.wait(run_id, timeout=30)
-                returned = time.time()
-                assert run.status == "completed", run
-                assert run.finished_at is not None
-                first.append((float(run.output) - before) * 1000)
-                delay.append((returned - run.finished_at.timestamp()) * 1000)
-                time.sleep(0.01)
+            time.sleep(1.0)
+            yield client
         child.finish()
     finally:
         child.kill()
+
+
+def flowly_latency(dsn: str, runs: int, workflow: str = ASYNC_STEP
+                   ) -> tuple[list[float], list[float], list[float]]:
+    """(enqueue -> first step ms, wait return delay ms, the ``start`` call alone ms) of
+    ``runs`` runs of ``workflow`` one at a time."""
+    first, delay, enqueue = [], [], []
+    with idle_worker(dsn, workflow) as client:
+        for _ in range(runs):
+            before = time.time()
+            run_id = client.start(workflow)
+            enqueue.append((time.time() - before) * 1000)
+            run = client.wait(run_id, timeout=30)
+            returned = time.time()
+            assert run.status == "completed", run
+            assert run.finished_at is not None
+            first.append((float(run.output) - before) * 1000)
+            delay.append((returned - run.finished_at.timestamp()) * 1000)
+            time.sleep(0.01)
     return first, delay, enqueue
 
 
 def sleep_overshoot(dsn: str, runs: int, seconds: float = 0.1) -> list[float]:
     """ms past a durable sleep of ``seconds`` until the step after it ran, for ``runs`` runs
-    one at a time on an idle worker that polls every 5 s: the release, the worker's timer,
-    the claim and the replay up to the sleep."""
-    child = Child(["-m", "bench.flowly_child", "--dsn", dsn, "--workflow", "bench.nap",
-                   "--concurrency", "8", "--poll-interval", "5"])
+    one at a time on an idle worker: the release, the worker's timer, the claim and the
+    replay up to the sleep."""
     late = []
-    try:
-        child.wait_ready()
-        child.send("go")
-        with flowly.Client(dsn) as client:
-            time.sleep(1.0)  # the worker is up, listening and idle
-            for _ in range(runs):
-                run = client.wait(client.start("bench.nap", seconds), timeout=30)
-                assert run.status == "completed", run
-                late.append(float(run.output) * 1000)
-        child.finish()
-    finally:
-        child.kill()
+    with idle_worker(dsn, "bench.nap") as client:
+        for _ in range(runs):
+            run = client.wait(client.start("bench.nap", seconds), timeout=30)
+            assert run.status == "completed", run
+            late.append(float(run.output) * 1000)
     return late
 
 
