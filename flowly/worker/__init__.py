@@ -254,10 +254,10 @@ class Worker:
     ``max_connections`` bounds the pool whatever the concurrency (one more connection
     LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat; heartbeats
     go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
-    soon a timer or backoff is seen that another worker set, or that ends over an hour
-    ahead: the worker that released a run claims it again when it comes due). On stop,
-    in-flight runs get up to ``drain_timeout`` seconds to finish; the rest are released for
-    other workers at once.
+    soon a run started to be due later is seen, or a timer or backoff that another worker
+    set or that ends over an hour ahead: the worker that released a run to sleep, back off
+    or wait claims it again when it comes due). On stop, in-flight runs get up to
+    ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
     ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
     before anything is sent). With ``purge_after`` the worker deletes runs that finished
     longer ago than that, with their history, a bounded batch at a time every minute.
