@@ -7,7 +7,8 @@ starts one run at a time with ``flowly.Client.start`` and waits for it with
 - enqueue -> first step: the step's time minus the time just before ``start`` was called;
 - wait return delay: the time ``wait`` returned minus the run's ``finished_at``;
 - how late a durable sleep of 0.1 s ends: from the step before it to the step after it,
-  less the 0.1 s.
+  less the 0.1 s; and how late a run started with a delay of 0.1 s begins: from just before
+  ``start`` to its step, less the 0.1 s.
 
 Also the per-step cost of one workflow of many sequential no-op steps, and pgqueuer's
 enqueue -> job start on the same server (bench/peer/pgqueuer_latency.py), when installed.
@@ -97,6 +98,20 @@ def sleep_overshoot(dsn: str, runs: int, seconds: float = 0.1) -> list[float]:
     return late
 
 
+def delayed_start_lateness(dsn: str, runs: int, seconds: float = 0.1) -> list[float]:
+    """ms past ``seconds`` from just before ``start(..., delay=seconds)`` to the run's first
+    step, for ``runs`` runs one at a time on an idle worker: the start's call, the worker's
+    timer, the claim."""
+    late = []
+    with idle_worker(dsn, ASYNC_STEP) as client:
+        for _ in range(runs):
+            before = time.time()
+            run = client.wait(client.start(ASYNC_STEP, delay=seconds), timeout=30)
+            assert run.status == "completed", run
+            late.append((float(run.output) - before - seconds) * 1000)
+    return late
+
+
 def step_cost(dsn: str, steps: int) -> float:
     """Per-step ms of one workflow of ``steps`` sequential no-op steps (its own run time
     from started_at to finished_at, divided by the steps)."""
@@ -183,7 +198,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--naps", type=int, default=50,
-                        help="runs that sleep 0.1 s durably, one at a time (50)")
+                        help="runs that sleep 0.1 s durably, and runs started 0.1 s"
+                             " ahead, one at a time (50 each)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns flowly and pgqueuer take at the runs (4)")
     args = parser.parse_args()
@@ -197,7 +213,9 @@ def main() -> None:
             "flowly the same, a sync step": quantiles(sync_first),
             "flowly start() call alone": quantiles(enqueue),
             "flowly Client.wait return delay": quantiles(delay),
-            "flowly durable sleep 0.1 s, late by": quantiles(sleep_overshoot(dsn, args.naps))}
+            "flowly durable sleep 0.1 s, late by": quantiles(sleep_overshoot(dsn, args.naps)),
+            "flowly start, delay 0.1 s, late by": quantiles(
+                delayed_start_lateness(dsn, args.naps))}
     if theirs:
         rows["pgqueuer enqueue -> job start"] = quantiles(theirs[0])
         rows["pgqueuer enqueue() call alone"] = quantiles(theirs[1])

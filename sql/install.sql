@@ -440,6 +440,12 @@ select not exists (select from schema_migrations where version = 68) as apply_mi
     insert into schema_migrations (version, name) values (68, '0068_starts_look_for_an_idle_slot_first');
 \endif
 
+select not exists (select from schema_migrations where version = 69) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0069_runs_due_later_announced_with_their_time.sql
+    insert into schema_migrations (version, name) values (69, '0069_runs_due_later_announced_with_their_time');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

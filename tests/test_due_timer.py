@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 import flowly
-from flowly.worker.due_timer import DueTimer
+from flowly.worker.due_timer import DueTimer, announced_due
 from tests.support import running_worker, scalar
 
 
@@ -84,3 +84,51 @@ def test_the_timer_wakes_once_per_time_in_order_and_keeps_no_time_beyond_its_hor
     woken, kept = asyncio.run(scenario())
     assert kept == 3  # a run that sleeps ten days is left to the poll
     assert [round(at, 1) for at in woken] == [0.1, 0.2, 0.3]
+
+
+def test_a_run_started_to_be_due_later_starts_on_time_from_python_and_from_sql(
+        dsn: str, client: flowly.Client, db: psycopg.Connection[Any]) -> None:
+    with running_worker(dsn, workflows=["echo"], poll_interval=60):
+        time.sleep(0.5)  # listening
+        began = time.monotonic()
+        delayed = client.start("echo", {"value": 1}, delay=0.5)
+        scheduled = scalar(db, "select flowly.start('echo', '{\"value\": 2}',"
+                               " scheduled_for => now() + interval '0.7 seconds')")
+        runs = [client.wait(run_id, timeout=20) for run_id in (delayed, scheduled)]
+        took = time.monotonic() - began
+    assert [run.output for run in runs] == [1, 2]
+    assert all(run.started_at and run.started_at >= run.scheduled_for for run in runs)
+    assert 0.7 <= took < 4
+
+
+def test_a_start_announces_a_run_due_later_once_unless_it_is_due_sooner(
+        db: psycopg.Connection[Any]) -> None:
+    """Runs due at once wake workers with their queue's name, once a transaction and queue;
+    runs due within the hour with their time, only when sooner than any the transaction
+    announced for the queue; runs due later than that, to nobody."""
+    channel = scalar(db, "select flowly.wakeup_channel()")
+    with psycopg.connect(db.info.dsn, autocommit=True) as listener:
+        listener.execute(f'listen "{channel}"')
+        with db.transaction():
+            for seconds in (30, 40, 20, 50, 10, 7200):
+                db.execute("select flowly.start('echo', scheduled_for =>"
+                           " now() + make_interval(secs => %s))", (seconds,))
+            db.execute("select flowly.start('echo', scheduled_for => now() + interval"
+                       " '40 seconds', queue => 'other')")
+            for _ in range(3):
+                db.execute("select flowly.start('echo')")
+            now = scalar(db, "select extract(epoch from now())::float8")
+        sent = [n.payload for n in listener.notifies(timeout=1.0, stop_after=6)]
+    hints = [announced_due(payload) for payload in sent]
+    assert [(queue, round(due - now)) for queue, due in filter(None, hints)] == [
+        ("default", 30), ("default", 20), ("default", 10), ("other", 40)]
+    assert [payload for payload, hint in zip(sent, hints, strict=True) if hint is None] == [
+        "default"]
+
+
+def test_only_a_well_formed_announcement_is_taken_for_one() -> None:
+    assert announced_due('{"queue": "q", "due": 1765000000.5}') == ("q", 1765000000.5)
+    for payload in ("default", '{"queue": "q"}', '{"due": 1}', '{"queue": "q", "due": "x"}',
+                    '{"queue": "q", "due": NaN}', '{"queue": "q", "due": Infinity}',
+                    '{not json', '{"queue": "q", "due": [1]}'):
+        assert announced_due(payload) is None, payload

@@ -61,7 +61,7 @@ from ..user_tasks import containing_user_tasks, user_code
 from ..workflow import Workflow, WorkflowFn, resolve, start_params
 from . import session
 from .collector import collector_paced_for_runs
-from .due_timer import DueTimer
+from .due_timer import DueTimer, announced_due
 from .first_connection import connect_when_reachable, delays
 from .handoff import ClaimedRun, HandOff, ListenerProbe, parse_handoff
 from .heartbeat import Heartbeat, settle
@@ -254,9 +254,9 @@ class Worker:
     ``max_connections`` bounds the pool whatever the concurrency (one more connection
     LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat; heartbeats
     go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
-    soon a run started to be due later is seen, or a timer or backoff that another worker
-    set or that ends over an hour ahead: the worker that released a run to sleep, back off
-    or wait claims it again when it comes due). On stop, in-flight runs get up to
+    soon a run is seen that comes due by time over an hour ahead, or whose worker died: a
+    run started to be due later, or released to sleep, back off or wait, is claimed when it
+    comes due, see due_timer). On stop, in-flight runs get up to
     ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
     ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
     before anything is sent). With ``purge_after`` the worker deletes runs that finished
@@ -315,8 +315,9 @@ class Worker:
         # run handed to it arrives by NOTIFY, on a channel of this instance alone
         self._listening = False
         self._handoff_channel = f"flowly_handoff_{uuid.uuid4().hex}"
-        # calls made for runs handed to this worker (confirming or releasing them)
-        self._handoff_calls: set[asyncio.Task[None]] = set()
+        # calls made beside the claim loop: for runs handed to this worker (confirming,
+        # extending or releasing them), and reading the clock to time a claim
+        self._side_calls: set[asyncio.Task[None]] = set()
         # the runs handed to it that it released when it last began to listen (0054): a
         # notification of one read since is stale
         self._released_handoffs: set[str] = set()
@@ -530,7 +531,7 @@ class Worker:
                 await self._release_unfinished()
                 # a hand-off given back or confirmed after this is not waited for: its short
                 # first lease lapses, and any claim takes the run
-                await end_tasks([*background, *self._handoff_calls], _CANCEL_GRACE)
+                await end_tasks([*background, *self._side_calls], _CANCEL_GRACE)
             finally:
                 # the threads are told to end before anything else is awaited, so they end
                 # even if this shutdown is cut short (it overran while the database hung): a
@@ -658,14 +659,14 @@ class Worker:
             return False
         lease_end = self._server_clock.local(handed.lease_until)
         if lease_end is None or lease_end - time.monotonic() < handed.lease_seconds / 2:
-            self._handoff_call(self._confirm_handoff(handed))
+            self._side_call(self._confirm_handoff(handed))
             return True
         self._begin_handed(run, lease_end)
         return False
 
     def _begin_handed(self, run: ClaimedRun, lease_until: float) -> None:
         held = self._begin(run, lease_until)
-        self._handoff_call(self._extend_handed_lease(held))
+        self._side_call(self._extend_handed_lease(held))
 
     def _may_begin(self, run: ClaimedRun) -> bool:
         """Whether a run handed to this worker may begin here now; if not, it is given back
@@ -676,14 +677,14 @@ class Worker:
             return False
         if (self._stopping.is_set() or len(self._held) >= self.concurrency
                 or run.workflow not in self.workflows):
-            self._handoff_call(self._give_back(run))
+            self._side_call(self._give_back(run))
             return False
         return True
 
-    def _handoff_call(self, call: Awaitable[None]) -> None:
+    def _side_call(self, call: Awaitable[None]) -> None:
         task = asyncio.ensure_future(call)
-        self._handoff_calls.add(task)
-        task.add_done_callback(self._handoff_calls.discard)
+        self._side_calls.add(task)
+        task.add_done_callback(self._side_calls.discard)
 
     async def _read_server_clock(self) -> None:
         sent = time.monotonic()
@@ -699,12 +700,17 @@ class Worker:
         """Claim again when a run this worker just released (to sleep, to back off, to wait
         with a timeout) comes due at ``due`` on the server's clock: then, not at the next
         poll (see due_timer)."""
-        if due is None or self._due_timer is None:
+        if due is not None:
+            await self._claim_at(due.timestamp())
+
+    async def _claim_at(self, server_epoch: float) -> None:
+        """Claim once the server's clock shows ``server_epoch`` (at once if it does)."""
+        if self._due_timer is None:
             return
-        when = self._server_clock.local_after(due.timestamp())
+        when = self._server_clock.local_after(server_epoch)
         if when is None:
             await self._read_server_clock()
-            when = self._server_clock.local_after(due.timestamp())
+            when = self._server_clock.local_after(server_epoch)
         if when is not None:
             self._due_timer.at(when)
 
@@ -840,7 +846,11 @@ class Worker:
                                probe: ListenerProbe) -> None:
         """A wake-up, this listener's probe (slots may be offered now), or a hand-off."""
         if notification.channel != self._handoff_channel:
-            self._wake()
+            announced = announced_due(notification.payload)
+            if announced is None:
+                self._wake()
+            elif announced[0] in self.queues:  # a run due later (0069): claim it then
+                self._side_call(self._claim_at(announced[1]))
         elif ListenerProbe.is_probe(notification.payload):
             if notification.payload == probe.payload and not self._listening:
                 self._listening = True

@@ -1,17 +1,20 @@
-"""Claims set off when runs this worker released come due.
+"""Claims set off when runs come due by time.
 
-A run released to sleep, to back off before a retry or to wait with a timeout is claimed
-again by whichever worker claims once its time has come. Without a timer, that was at the
-next poll: a step's 50 ms backoff could take ``poll_interval`` (seconds, for a worker that
-polls rarely). The release tells the worker the due time, so the worker that released the
-run wakes its claim loop then. Another worker's run, or one released by a worker that died
-since, is still found by the poll.
+A run released to sleep, to back off before a retry or to wait with a timeout, or started to
+be due later, is claimed by whichever worker claims once its time has come. Without a timer,
+that was at the next poll: a step's 50 ms backoff could take ``poll_interval`` (seconds, for
+a worker that polls rarely). A release tells the worker that made it the due time, and a
+start announces a run due within the hour with its time (migration 0069), so a worker wakes
+its claim loop then. A run released by a worker that died since, or due further ahead, is
+still found by the poll.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import json
+import math
 from collections.abc import Callable
 
 # due times further ahead than this, or beyond this many kept (a float each), are left to
@@ -60,3 +63,16 @@ class DueTimer:
         if self._due:
             self._arm()
         self._wake()
+
+
+def announced_due(payload: str) -> tuple[str, float] | None:
+    """The queue and the due time (epoch seconds on the server's clock) of a wake-up that
+    announces a run due later (0069); None for any other wake-up (a queue's name)."""
+    if not payload.startswith("{"):
+        return None
+    try:
+        fields = json.loads(payload)
+        queue, due = str(fields["queue"]), float(fields["due"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return (queue, due) if math.isfinite(due) else None
