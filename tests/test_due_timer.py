@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 
 import flowly
+from flowly.worker import due_timer
 from flowly.worker.due_timer import DueTimer, announced_due
 from tests.support import running_worker, scalar
 
@@ -132,3 +134,20 @@ def test_only_a_well_formed_announcement_is_taken_for_one() -> None:
                     '{"queue": "q", "due": NaN}', '{"queue": "q", "due": Infinity}',
                     '{not json', '{"queue": "q", "due": [1]}'):
         assert announced_due(payload) is None, payload
+
+
+def test_the_timer_keeps_at_most_its_share_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of releases or announcements holds a bounded heap; the times beyond it are
+    left to the poll."""
+    monkeypatch.setattr(due_timer, "MAX_DUE_TIMES", 5)
+
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        timer = DueTimer(loop, lambda: None)
+        for delay in range(1, 50):
+            timer.at(loop.time() + delay)
+        kept = len(timer)
+        timer.close()
+        return kept
+
+    assert asyncio.run(scenario()) == 5

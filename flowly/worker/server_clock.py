@@ -2,8 +2,9 @@
 
 Times that the database decides are on its clock: when a handed-off run's first lease ends
 (``handoff``), when a run released to sleep, to back off or to wait, or started to be due
-later, comes due (``due_timer``). The worker acts on them with its own monotonic clock, which may differ from
-the server's wall clock by any amount (another machine, a stepped clock).
+later, comes due (``due_timer``). The worker acts on them with its own monotonic clock,
+which may differ from the server's wall clock by any amount (another machine, a stepped
+clock).
 """
 
 from __future__ import annotations
