@@ -322,7 +322,7 @@ class Worker:
         # notification of one read since is stale
         self._released_handoffs: set[str] = set()
         # read while the worker offers slots (how much of a handed run's lease is left), and
-        # when it releases a run until a time (when to claim it again)
+        # when it times a claim for a run it released or one announced due later (due_timer)
         self._server_clock = ServerClock(every=self.lease)
         self._due_timer: DueTimer | None = None
         self._stopping = asyncio.Event()
