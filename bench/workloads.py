@@ -65,7 +65,6 @@ async def first_async_step_time(ctx: flowly.Context, inp: Any) -> float:
     return float(await ctx.step("t", _now_async))
 
 
-
 @flowly.workflow("bench.nap")
 async def nap(ctx: flowly.Context, inp: Any) -> float:
     """A durable sleep of ``inp`` seconds between two steps; returns how many seconds more

@@ -20,35 +20,33 @@
 -- an announcement. A queue whose own name reads as one (it would have to be such an object,
 -- with a due time ahead) has its runs claimed at that time or at the poll, not at once.
 
--- Announces a new run of p_queue due at p_due to idle workers, at commit (see the header).
-create function announce_new_run(p_queue text, p_due timestamptz) returns void
+-- Announces to idle workers, at commit, a new run of p_queue due later, at p_due (see the
+-- header); insert_run announces a run due at once itself, as before, which is most starts.
+create function announce_run_due_later(p_queue text, p_due timestamptz) returns void
 language plpgsql
 set search_path from current
 as $$
 declare
     v_due numeric := extract(epoch from p_due);
+    v_channel text;
     v_setting text;
     v_earliest text;
 begin
-    if p_due <= now() then
-        perform pg_notify(wakeup_channel(), p_queue);
-        return;
-    end if;
     if p_due > now() + interval '1 hour' then
         return;
     end if;
+    v_channel := wakeup_channel();
     -- a setting's name is letters, digits and dots: the channel and queue go in by digest
-    v_setting := 'flowly.due_' || md5(wakeup_channel() || '/' || p_queue);
+    v_setting := 'flowly.due_' || md5(v_channel || '/' || p_queue);
     v_earliest := current_setting(v_setting, true);
     if v_earliest is null or v_earliest = '' or v_due < v_earliest::numeric then
         perform set_config(v_setting, v_due::text, true);
-        perform pg_notify(wakeup_channel(),
-                          json_build_object('queue', p_queue, 'due', v_due)::text);
+        perform pg_notify(v_channel, json_build_object('queue', p_queue, 'due', v_due)::text);
     end if;
 end
 $$;
 
--- insert_run as in 0003, its run announced by announce_new_run.
+-- insert_run as in 0003, a run due later announced by announce_run_due_later.
 create or replace function insert_run(
     p_id text, p_workflow text, p_queue text, p_input jsonb, p_priority integer,
     p_scheduled_for timestamptz, p_concurrency_key text, p_max_attempts integer,
@@ -83,7 +81,11 @@ begin
                 upper(current_setting('transaction_isolation'))
                 using errcode = '40001';
         end;
-        perform announce_new_run(p_queue, p_scheduled_for);
+        if p_scheduled_for <= now() then
+            perform pg_notify(wakeup_channel(), p_queue);
+        else
+            perform announce_run_due_later(p_queue, p_scheduled_for);
+        end if;
         return p_id;
     end if;
     -- a concurrency-key winner may finish between our insert and our look-up: then try again
@@ -95,7 +97,11 @@ begin
                 p_parent_run_id)
         on conflict do nothing;
         if found then
-            perform announce_new_run(p_queue, p_scheduled_for);
+            if p_scheduled_for <= now() then
+                perform pg_notify(wakeup_channel(), p_queue);
+            else
+                perform announce_run_due_later(p_queue, p_scheduled_for);
+            end if;
             return p_id;
         end if;
         select r.id into v_existing from runs r where r.id = p_id;
