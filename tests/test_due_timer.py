@@ -63,6 +63,22 @@ def test_a_wait_s_timeout_ends_on_time(dsn: str, client: flowly.Client) -> None:
     assert 0.5 <= took < 3.5
 
 
+def test_a_durable_sleep_ends_on_time_though_the_worker_s_connections_were_cut_meanwhile(
+        dsn: str, client: flowly.Client, db: psycopg.Connection[Any]) -> None:
+    # a failover or a restart between the release and the due time: the pooled connection
+    # the timed claim takes is dead, and the listener's too
+    with running_worker(dsn, workflows=["sleepy"], poll_interval=60):
+        began = time.time()
+        run_id = client.start("sleepy", {"seconds": 2})
+        time.sleep(1)
+        ours = [db.info.backend_pid, client.connection.info.backend_pid]
+        assert scalar(db, "select count(pg_terminate_backend(pid)) from pg_stat_activity"
+                      " where datname = current_database() and pid <> all(%s)", ours) > 0
+        run = client.wait(run_id, timeout=30)
+    assert run.status == "completed"
+    assert 2 <= run.output["woke"] - began < 4
+
+
 def test_the_timer_wakes_once_per_time_in_order_and_keeps_no_time_beyond_its_horizon() -> None:
     async def scenario() -> tuple[list[float], int]:
         loop = asyncio.get_running_loop()
