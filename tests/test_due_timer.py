@@ -14,7 +14,7 @@ import pytest
 import flowly
 from flowly.worker import due_timer
 from flowly.worker.due_timer import DueTimer, announced_due
-from tests.support import running_worker, scalar
+from tests.support import running_worker, scalar, wait_for
 
 
 def test_a_durable_sleep_ends_on_time_on_a_worker_that_polls_once_a_minute(
@@ -77,6 +77,26 @@ def test_a_durable_sleep_ends_on_time_though_the_worker_s_connections_were_cut_m
         run = client.wait(run_id, timeout=30)
     assert run.status == "completed"
     assert 2 <= run.output["woke"] - began < 4
+
+
+def test_a_sleep_whose_row_another_transaction_holds_at_its_due_time_ends_once_it_is_free(
+        dsn: str, client: flowly.Client, db: psycopg.Connection[Any]) -> None:
+    # the timed claim skips the held row (skip locked) and its time is spent: the poll, once
+    # a second here, takes the run when the row is free
+    with running_worker(dsn, workflows=["sleepy"], poll_interval=1), \
+            psycopg.connect(dsn) as holder:
+        run_id = client.start("sleepy", {"seconds": 0.5})
+        wait_for(lambda: scalar(  # released to sleep
+            db, "select r.status = 'pending' and r.locked_by is null from flowly.runs r"
+                " join flowly.timers t on t.run_id = r.id where r.id = %s", run_id))
+        holder.execute("select from flowly.runs where id = %s for update", (run_id,))
+        time.sleep(1.5)  # past its due time, held all along
+        assert client.get(run_id).status == "pending"
+        holder.rollback()
+        freed = time.time()
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "completed"
+    assert freed < run.output["woke"] < freed + 2.5
 
 
 def test_the_timer_wakes_once_per_time_in_order_and_keeps_no_time_beyond_its_horizon() -> None:
