@@ -55,10 +55,15 @@ def settings(lease: float) -> dict[str, str]:
     }
 
 
+# READ COMMITTED whatever the database's or role's default: the engine's calls are written for
+# it (a claim or a write that meets a row changed meanwhile re-reads it; under SERIALIZABLE
+# they failed each other's commits, and a claim or a batch of writes failed with them), and a
+# transactional step's default isolation is READ COMMITTED (ctx.transaction)
 _SET = "select set_config('lock_timeout', %(lock_timeout)s, false)," \
        " set_config('statement_timeout', %(statement_timeout)s, false)," \
        " set_config('idle_in_transaction_session_timeout'," \
-       " %(idle_in_transaction_session_timeout)s, false)"
+       " %(idle_in_transaction_session_timeout)s, false)," \
+       " set_config('default_transaction_isolation', 'read committed', false)"
 
 
 # PostgreSQL 14+ on Linux, macOS and the BSDs; elsewhere the server refuses a value other than

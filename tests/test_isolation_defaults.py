@@ -1,0 +1,79 @@
+"""A database whose default isolation is REPEATABLE READ or SERIALIZABLE (some applications set
+it so for their own transactions, with ``alter database ... set
+default_transaction_isolation``): the worker's sessions keep to READ COMMITTED, which the
+engine's calls are written for. Under SERIALIZABLE they failed each other's commits: claims
+failed again and again, and a batch of checkpoints failed as a whole, its runs abandoned
+until their leases expired."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import flowly
+from tests.support import running_worker, scalar, wait_for
+
+STRICTER = ["repeatable read", "serializable"]
+
+
+def _isolation(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("select current_setting('transaction_isolation')").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@flowly.workflow("iso_transaction_isolation")
+async def iso_transaction_isolation(ctx: flowly.Context, inp: Any) -> Any:
+    """The isolation of a transactional step that names none, and of one that does."""
+    return [await ctx.transaction("default", _isolation),
+            await ctx.transaction("named", _isolation, isolation="serializable")]
+
+
+def _default_isolation(db: psycopg.Connection[Any], isolation: str) -> None:
+    """Sessions opened from now on begin their transactions at ``isolation``."""
+    db.execute(sql.SQL("alter database {} set default_transaction_isolation = {}").format(
+        sql.Identifier(db.info.dbname), sql.Literal(isolation)))
+
+
+def _finished(db: psycopg.Connection[Any], runs: int) -> list[str]:
+    """The statuses of all ``runs`` runs once each has finished (read in this test's own
+    session, opened before the default changed: a SERIALIZABLE read may fail on its own)."""
+    wait_for(lambda: scalar(db, "select count(*) from flowly.runs where status in"
+                                " ('completed', 'dead_letter', 'cancelled')") == runs,
+             timeout=60)
+    return [row[0] for row in db.execute("select status from flowly.runs")]
+
+
+@pytest.mark.parametrize("isolation", STRICTER)
+def test_runs_complete_without_a_failed_call_under_a_stricter_default_isolation(
+        dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch, isolation: str) -> None:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)  # where the steps record their effects
+    _default_isolation(db, isolation)
+    caplog.set_level(logging.WARNING, logger="flowly")
+    with psycopg.connect(dsn) as fresh:
+        assert _isolation(fresh) == isolation
+    with running_worker(dsn, workflows=["three_steps", "work_nap_work"], concurrency=32):
+        db.execute("select flowly.start('three_steps', '{}') from generate_series(1, 150)")
+        db.execute("select flowly.start('work_nap_work', '{\"first\": 0, \"second\": 0}')"
+                   " from generate_series(1, 50)")
+        statuses = _finished(db, 200)
+    assert statuses == ["completed"] * 200
+    assert scalar(db, "select count(*) from public.test_effects") == 3 * 150
+    assert scalar(db, "select max(takeovers) from flowly.runs") == 0
+    failed = [record.getMessage() for record in caplog.records
+              if record.name.startswith("flowly.worker") or record.name == "flowly.group_commit"]
+    assert failed == []
+
+
+def test_a_transactional_step_that_names_no_isolation_is_read_committed_whatever_the_default(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    _default_isolation(db, "serializable")
+    with running_worker(dsn, workflows=["iso_transaction_isolation"]):
+        db.execute("select flowly.start('iso_transaction_isolation')")
+        assert _finished(db, 1) == ["completed"]
+    assert scalar(db, "select output from flowly.runs") == ["read committed", "serializable"]
