@@ -26,13 +26,14 @@ from . import arguments
 from .bounded_calls import Cutoff, within
 from .db import (
     TERMINAL,
+    UTF8,
     Calls,
     adapt_connection,
     check_schema_name,
     dumps_argument,
     listen_to,
-    prepare_if_direct,
-    prepare_if_direct_async,
+    set_up_session,
+    set_up_session_async,
     still_open,
     translated_errors,
 )
@@ -420,9 +421,9 @@ class Client:
             if conn is not None:
                 conn.close()
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
-                                                **self._connect_bound)
+                                                **UTF8, **self._connect_bound)
             adapt_connection(conn)
-            prepare_if_direct(conn)
+            set_up_session(conn)
         if self.timeout is not None and self._bounded is not conn:
             # made on self._conn, so that a caller's Cutoff can cut it off if it hangs
             conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
@@ -589,7 +590,7 @@ class Client:
         if opened:
             if listener is not None:
                 listener.close()
-            listener = self._listener = psycopg.connect(self.dsn, autocommit=True,
+            listener = self._listener = psycopg.connect(self.dsn, autocommit=True, **UTF8,
                                                         **self._connect_bound)
             adapt_connection(listener)
         assert listener is not None
@@ -784,10 +785,10 @@ class AsyncClient:
                 if conn is not None:
                     await conn.close()
                 conn = self._conn = await psycopg.AsyncConnection.connect(
-                    self.dsn, autocommit=True, row_factory=dict_row,
+                    self.dsn, autocommit=True, row_factory=dict_row, **UTF8,
                     **_connect_bound(self.timeout))
                 adapt_connection(conn)
-                await prepare_if_direct_async(conn)
+                await set_up_session_async(conn)
             if self.timeout is not None and self._bounded is not conn:
                 await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
                 self._bounded = conn
@@ -898,7 +899,7 @@ class AsyncClient:
                 if listener is not None:
                     await listener.close()
                 listener = self._listener = await psycopg.AsyncConnection.connect(
-                    self.dsn, autocommit=True)
+                    self.dsn, autocommit=True, **UTF8)
                 adapt_connection(listener)
             assert listener is not None
             if opened or not self._waits:

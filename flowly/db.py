@@ -155,10 +155,23 @@ def dumps(value: Any) -> str:
 # connection is free, one client's statement finds another's name taken or missing there
 # (DuplicatePreparedStatement, ProtocolViolation), or runs another's statement that takes as
 # many parameters. A connection prepares nothing until it is seen to talk to its own server
-# session (prepare_if_direct): unprepared, an idle start takes 0.15-0.25 ms longer.
+# session (set_up_session): unprepared, an idle start takes 0.15-0.25 ms longer.
 UNPREPARED: dict[str, Any] = {"prepare_threshold": None}
+# asked for by every connection flowly opens, whatever the database's or role's
+# client_encoding: under LATIN1, say, a run whose input held a character outside it failed
+# every claim of the worker that served it, and its hand-off broke the worker's listener
+UTF8: dict[str, Any] = {"client_encoding": "utf8"}
 _PREPARE_THRESHOLD = 5  # psycopg's default: a statement's fifth run prepares it
-_SERVING_BACKEND = "select pg_backend_pid()"
+# psycopg reads dates and intervals as text only in PostgreSQL's default styles: a database
+# or role set to another (DateStyle 'SQL, DMY', IntervalStyle 'iso_8601') failed every read
+# of a time, a run's replay included. Set only where they differ, so that a session passed
+# through a pooler to other clients keeps the styles it had.
+_SESSION_SETUP = (
+    "select pg_backend_pid(),"
+    " case when current_setting('datestyle') not like 'ISO%' then"
+    " set_config('datestyle', 'ISO', false) end,"
+    " case when current_setting('intervalstyle') <> 'postgres' then"
+    " set_config('intervalstyle', 'postgres', false) end")
 
 
 def _prepare_if(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
@@ -169,19 +182,20 @@ def _prepare_if(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
         conn.prepare_threshold = _PREPARE_THRESHOLD
 
 
-def prepare_if_direct(conn: psycopg.Connection[Any]) -> None:
-    """Let ``conn`` prepare statements when no pooler stands between it and its server
-    session: the backend that answers is the one the connection was opened with."""
+def set_up_session(conn: psycopg.Connection[Any]) -> None:
+    """Make ``conn``'s session one that flowly can read (dates and intervals in the styles
+    psycopg reads), and let it prepare statements when no pooler stands between it and its
+    server session: the backend that answers is the one the connection was opened with."""
     with conn.cursor(row_factory=tuple_row) as cursor:
-        row = cursor.execute(_SERVING_BACKEND).fetchone()
+        row = cursor.execute(_SESSION_SETUP).fetchone()
     if row is not None:
         _prepare_if(conn, row[0])
 
 
-async def prepare_if_direct_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    """:func:`prepare_if_direct` for an async connection."""
+async def set_up_session_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`set_up_session` for an async connection."""
     async with conn.cursor(row_factory=tuple_row) as cursor:
-        row = await (await cursor.execute(_SERVING_BACKEND)).fetchone()
+        row = await (await cursor.execute(_SESSION_SETUP)).fetchone()
     if row is not None:
         _prepare_if(conn, row[0])
 
@@ -190,7 +204,7 @@ def adapt_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any
     """What every connection flowly opens gets: ``json``/``jsonb`` read by deep_json (a value
     nested past json's depth would fail the whole fetch), the server's warnings logged
     (purge's about runs it had to keep, say), which psycopg drops when nobody handles them,
-    and no server-side prepared statements until :func:`prepare_if_direct` allows them."""
+    and no server-side prepared statements until :func:`set_up_session` allows them."""
     deep_json.use_on(conn)
     conn.add_notice_handler(_log_if_warning)
     conn.prepare_threshold = UNPREPARED["prepare_threshold"]

@@ -34,7 +34,9 @@ from .db import (
     NON_TERMINAL,
     TERMINAL,
     UNPREPARED,
+    UTF8,
     check_schema_name,
+    set_up_session,
     translated_errors,
 )
 from .render import error_message, format_age, one_line, to_json
@@ -278,12 +280,16 @@ def _keys() -> Iterator[Any]:
 _FRAME_LIMIT = 5.0
 
 
-def _frame_within(conn: psycopg.Connection[Any], schema: str, seconds: float) -> dict[str, Any]:
-    """:func:`snapshot`, cut off after ``seconds``: a database that hangs (its bytes
-    acknowledged, so no TCP timeout notices) must not keep ``q`` from being read."""
+def _frame_within(conn: psycopg.Connection[Any], schema: str, seconds: float,
+                  new: bool = False) -> dict[str, Any]:
+    """:func:`snapshot` (on a ``new`` connection, its session set up first), cut off after
+    ``seconds``: a database that hangs (its bytes acknowledged, so no TCP timeout notices)
+    must not keep ``q`` from being read."""
     with Cutoff(conn) as cutoff:
         cutoff.arm(seconds)
         try:
+            if new:
+                set_up_session(conn)
             return snapshot(conn, schema)
         except psycopg.OperationalError as exc:
             if cutoff.expired:
@@ -292,12 +298,17 @@ def _frame_within(conn: psycopg.Connection[Any], schema: str, seconds: float) ->
             raise
 
 
+def _connect(dsn: str, **params: Any) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, **UNPREPARED, **UTF8, **params)
+
+
 def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: bool = False,
         interval: float = 1.0) -> int:
     """Draw ``flowly top`` until ``q``; with ``once`` (or no terminal), print one frame."""
     console = Console(highlight=False)
-    first: psycopg.Connection[Any] = psycopg.connect(dsn, autocommit=True, **UNPREPARED)
+    first = _connect(dsn)
     try:
+        set_up_session(first)
         snap = snapshot(first, schema)
     except BaseException:
         first.close()
@@ -329,10 +340,10 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
                     if "q" in read_key(left).lower():
                         return 0
                 try:
-                    if conn is None or conn.closed:
-                        conn = psycopg.connect(dsn, autocommit=True, **UNPREPARED,
-                                               connect_timeout=int(_FRAME_LIMIT))
-                    snap, error = _frame_within(conn, schema, _FRAME_LIMIT), None
+                    new = conn is None or conn.closed
+                    if conn is None or new:
+                        conn = _connect(dsn, connect_timeout=int(_FRAME_LIMIT))
+                    snap, error = _frame_within(conn, schema, _FRAME_LIMIT, new), None
                 except psycopg.OperationalError as exc:  # keep drawing, say why it is stale
                     error = one_line(str(exc))
                     if conn is not None:

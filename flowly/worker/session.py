@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from ..db import UNPREPARED, adapt_connection, prepare_if_direct, prepare_if_direct_async
+from ..db import UNPREPARED, UTF8, adapt_connection, set_up_session, set_up_session_async
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -24,8 +24,9 @@ _MIN_STATEMENT_TIMEOUT_MS = 5000
 
 
 def connection_kwargs(lease: float) -> dict[str, Any]:
-    """libpq parameters for a worker connection: autocommit, and TCP keepalives that notice a
-    dead server (or path to it) within about a lease. Unix sockets ignore the keepalives."""
+    """libpq parameters for a worker connection: autocommit, UTF-8, and TCP keepalives that
+    notice a dead server (or path to it) within about a lease. Unix sockets ignore the
+    keepalives."""
     probe = max(1, int(lease / 3))
     return {
         "autocommit": True,
@@ -36,6 +37,7 @@ def connection_kwargs(lease: float) -> dict[str, Any]:
         "tcp_user_timeout": int(lease * 1000),
         "connect_timeout": max(2, int(lease)),
         **UNPREPARED,
+        **UTF8,
     }
 
 
@@ -77,7 +79,7 @@ def _check_client_every(lease: float) -> tuple[str]:
 
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
     adapt_connection(conn)
-    await prepare_if_direct_async(conn)
+    await set_up_session_async(conn)
     await conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
@@ -85,7 +87,7 @@ async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> N
 
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
     adapt_connection(conn)
-    prepare_if_direct(conn)
+    set_up_session(conn)
     conn.execute(_SET, settings(lease))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))

@@ -1,12 +1,20 @@
-"""A database whose default isolation is REPEATABLE READ or SERIALIZABLE (some applications set
-it so for their own transactions, with ``alter database ... set
-default_transaction_isolation``): the worker's sessions keep to READ COMMITTED, which the
-engine's calls are written for. Under SERIALIZABLE they failed each other's commits: claims
-failed again and again, and a batch of checkpoints failed as a whole, its runs abandoned
-until their leases expired."""
+"""A database or role whose session defaults are not PostgreSQL's (``alter database ... set``,
+as an application sets them for its own sessions):
+
+- a default isolation of REPEATABLE READ or SERIALIZABLE: the worker's sessions keep to READ
+  COMMITTED, which the engine's calls are written for. Under SERIALIZABLE they failed each
+  other's commits: claims failed again and again, and a batch of checkpoints failed as a
+  whole, its runs abandoned until their leases expired;
+- a DateStyle or IntervalStyle that psycopg does not read: every read of a time failed, a
+  run's replay included (its run dead-lettered);
+- a client_encoding short of UTF-8: a run whose input held a character outside it failed
+  every claim of the worker that served it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from typing import Any
 
@@ -16,6 +24,8 @@ from psycopg import sql
 
 import flowly
 from tests.support import running_worker, scalar, wait_for
+from tests.test_cli import flowly as flowly_cli
+from tests.test_cli import ok
 
 STRICTER = ["repeatable read", "serializable"]
 
@@ -33,10 +43,10 @@ async def iso_transaction_isolation(ctx: flowly.Context, inp: Any) -> Any:
             await ctx.transaction("named", _isolation, isolation="serializable")]
 
 
-def _default_isolation(db: psycopg.Connection[Any], isolation: str) -> None:
-    """Sessions opened from now on begin their transactions at ``isolation``."""
-    db.execute(sql.SQL("alter database {} set default_transaction_isolation = {}").format(
-        sql.Identifier(db.info.dbname), sql.Literal(isolation)))
+def _default(db: psycopg.Connection[Any], setting: str, value: str) -> None:
+    """Sessions opened from now on begin with ``setting`` at ``value``."""
+    db.execute(sql.SQL("alter database {} set {} = {}").format(
+        sql.Identifier(db.info.dbname), sql.Identifier(setting), sql.Literal(value)))
 
 
 def _finished(db: psycopg.Connection[Any], runs: int) -> list[str]:
@@ -53,7 +63,7 @@ def test_runs_complete_without_a_failed_call_under_a_stricter_default_isolation(
         dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch, isolation: str) -> None:
     monkeypatch.setenv("FLOWLY_DSN", dsn)  # where the steps record their effects
-    _default_isolation(db, isolation)
+    _default(db, "default_transaction_isolation", isolation)
     caplog.set_level(logging.WARNING, logger="flowly")
     with psycopg.connect(dsn) as fresh:
         assert _isolation(fresh) == isolation
@@ -72,8 +82,38 @@ def test_runs_complete_without_a_failed_call_under_a_stricter_default_isolation(
 
 def test_a_transactional_step_that_names_no_isolation_is_read_committed_whatever_the_default(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _default_isolation(db, "serializable")
+    _default(db, "default_transaction_isolation", "serializable")
     with running_worker(dsn, workflows=["iso_transaction_isolation"]):
         db.execute("select flowly.start('iso_transaction_isolation')")
         assert _finished(db, 1) == ["completed"]
     assert scalar(db, "select output from flowly.runs") == ["read committed", "serializable"]
+
+
+TEXT = "caf\u00e9 \u2603 \U0001F600"  # beyond LATIN1 and beyond the BMP
+ODD_STYLES = [("datestyle", "SQL, DMY"), ("datestyle", "German"),
+              ("intervalstyle", "iso_8601"), ("intervalstyle", "sql_standard"),
+              ("client_encoding", "LATIN1")]
+
+
+@pytest.mark.parametrize(("setting", "value"), ODD_STYLES)
+def test_the_worker_the_client_and_top_read_a_session_of_other_styles_and_encoding(
+        dsn: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
+        setting: str, value: str) -> None:
+    monkeypatch.setenv("FLOWLY_DSN", dsn)
+    _default(db, setting, value)
+    with flowly.Client(dsn) as client, running_worker(dsn, workflows=["sleepy", "echo"]):
+        napping = client.start("sleepy", {"seconds": 0.2}, timeout=60)
+        echoed = client.start("echo", {"value": TEXT}, timeout=60)
+        assert client.wait(napping, timeout=20).status == "completed"
+        run = client.wait(echoed, timeout=20)
+        assert (run.status, run.input["value"], run.output) == ("completed", TEXT, TEXT)
+        assert [step.output for step in client.steps(echoed)] == [TEXT]
+        assert client.timers(napping)[0].fired_at is not None
+
+        async def read_async() -> Any:
+            async with flowly.AsyncClient(dsn) as async_client:
+                return (await async_client.get(echoed)).output
+
+        assert asyncio.run(read_async()) == TEXT
+    frame = json.loads(ok(flowly_cli("--json", "top", "--once", dsn=dsn)))
+    assert frame
