@@ -99,6 +99,30 @@ def test_a_sleep_whose_row_another_transaction_holds_at_its_due_time_ends_once_i
     assert freed < run.output["woke"] < freed + 2.5
 
 
+def test_reads_of_the_server_s_clock_made_together_share_one_reading(dsn: str) -> None:
+    # announcements arriving together each time a claim, and a busy worker has no fresh
+    # reading: one read of the clock serves them all
+    with running_worker(dsn, workflows=["sleepy"], poll_interval=60) as worker:
+        # its own first reading, made once it offers a slot, is not due again for a lease
+        wait_for(lambda: not worker._server_clock.due(time.monotonic()))
+        reads: list[float] = []
+        call_one = worker._call_one
+
+        async def counted(query: Any, params: Any) -> Any:
+            if query is worker._calls.server_clock:
+                reads.append(time.monotonic())
+            return await call_one(query, params)
+
+        async def together() -> None:
+            await asyncio.gather(*(worker._read_server_clock() for _ in range(50)))
+
+        worker._call_one = counted  # type: ignore[method-assign]
+        assert worker._loop is not None
+        asyncio.run_coroutine_threadsafe(together(), worker._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(together(), worker._loop).result(timeout=10)
+    assert len(reads) == 2
+
+
 def test_the_timer_wakes_once_per_time_in_order_and_keeps_no_time_beyond_its_horizon() -> None:
     async def scenario() -> tuple[list[float], int]:
         loop = asyncio.get_running_loop()

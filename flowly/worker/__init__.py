@@ -324,6 +324,7 @@ class Worker:
         # read while the worker offers slots (how much of a handed run's lease is left), and
         # when it times a claim for a run it released or one announced due later (due_timer)
         self._server_clock = ServerClock(every=self.lease)
+        self._clock_reading: asyncio.Task[None] | None = None
         self._due_timer: DueTimer | None = None
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -681,12 +682,25 @@ class Worker:
             return False
         return True
 
-    def _side_call(self, call: Awaitable[None]) -> None:
+    def _side_call(self, call: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(call)
         self._side_calls.add(task)
         task.add_done_callback(self._side_calls.discard)
+        return task
 
     async def _read_server_clock(self) -> None:
+        """Read the server's clock; a call made while a reading is under way waits for that
+        one. Announcements of runs due later that arrive together would each read it, and a
+        busy worker's pool would queue those reads ahead of its writes."""
+        if self._clock_reading is None:
+            self._clock_reading = self._side_call(self._take_clock_reading())
+            self._clock_reading.add_done_callback(self._clock_read)
+        await asyncio.shield(self._clock_reading)
+
+    def _clock_read(self, _: asyncio.Task[None]) -> None:
+        self._clock_reading = None
+
+    async def _take_clock_reading(self) -> None:
         sent = time.monotonic()
         try:
             (server_epoch,) = await self._call_one(self._calls.server_clock, ())
