@@ -234,6 +234,10 @@ async def _until_finished_async(listener: psycopg.AsyncConnection[Any], run_id: 
 
 # how long past its timeout a wait may go on for the database's answer before it is cut off
 _ANSWER_GRACE = 1.0
+# times a call on a client's own connection is made in all when it loses a serialization race:
+# where the database's default isolation is stricter than READ COMMITTED, its one statement
+# may be chosen to fail for another transaction's sake (40001), and nothing of it committed
+_SERIALIZATION_TRIES = 3
 
 
 def _connect_bound(timeout: float | None) -> dict[str, Any]:
@@ -437,13 +441,13 @@ class Client:
                 return cursor.execute(query, params).fetchall()
         if self.timeout is None:
             with translated_errors():
-                return self.connection.execute(query, params).fetchall()
+                return self._fetch_own(query, params)
         deadline = time.monotonic() + self.timeout
         with Cutoff(lambda: (self._conn,)) as cutoff:
             cutoff.arm(self.timeout + _ANSWER_GRACE)
             try:
                 with translated_errors():
-                    return self.connection.execute(query, params).fetchall()
+                    return self._fetch_own(query, params)
             except psycopg.errors.QueryCanceled as exc:
                 if _ended_by_timeout(exc, deadline):
                     raise DatabaseTimeout(_ended_message(self.timeout)) from exc
@@ -460,6 +464,14 @@ class Client:
             self._conn.close()
             self._conn = None
         raise DatabaseTimeout(_unanswered_message(self.timeout)) from silence
+
+    def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
+        """A call on the client's own connection, made again if it lost a serialization race
+        (see _SERIALIZATION_TRIES)."""
+        for _ in range(_SERIALIZATION_TRIES - 1):
+            with contextlib.suppress(psycopg.errors.SerializationFailure):
+                return self.connection.execute(query, params).fetchall()
+        return self.connection.execute(query, params).fetchall()
 
     def start(
         self,
@@ -792,6 +804,9 @@ class AsyncClient:
             if self.timeout is not None and self._bounded is not conn:
                 await conn.execute(_BOUND_STATEMENTS, (_statement_timeout(self.timeout),))
                 self._bounded = conn
+            for _ in range(_SERIALIZATION_TRIES - 1):
+                with contextlib.suppress(psycopg.errors.SerializationFailure):
+                    return await (await conn.execute(query, params)).fetchall()
             return await (await conn.execute(query, params)).fetchall()
 
     async def start(

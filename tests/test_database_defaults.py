@@ -117,3 +117,45 @@ def test_the_worker_the_client_and_top_read_a_session_of_other_styles_and_encodi
         assert asyncio.run(read_async()) == TEXT
     frame = json.loads(ok(flowly_cli("--json", "top", "--once", dsn=dsn)))
     assert frame
+
+
+_FAIL_INSERTS = """
+create sequence public.runs_to_fail;
+create function public.fail_the_first_runs() returns trigger language plpgsql as $$
+begin
+    if nextval('public.runs_to_fail') <= %s then
+        raise exception 'chosen to fail for another transaction''s sake' using errcode = '40001';
+    end if;
+    return new;
+end
+$$;
+create trigger fail_the_first_runs before insert on flowly.runs
+    for each row execute function public.fail_the_first_runs();
+"""
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_client_s_own_call_that_loses_a_serialization_race_is_made_again_a_few_times(
+        dsn: str, db: psycopg.Connection[Any], asynchronous: bool) -> None:
+    # a stand-in for SERIALIZABLE's choice of a victim (40001), which no test can time: the
+    # first two inserts of a run fail so, and the third one succeeds
+    db.execute(_FAIL_INSERTS % 2)
+
+    async def start_async(run_id: str) -> str:
+        async with flowly.AsyncClient(dsn) as async_client:
+            return await async_client.start("quick", None, run_id=run_id)
+
+    def start(run_id: str) -> str:
+        if asynchronous:
+            return asyncio.run(start_async(run_id))
+        with flowly.Client(dsn) as client:
+            return client.start("quick", None, run_id=run_id)
+
+    assert start("third time lucky") == "third time lucky"
+    assert scalar(db, "select count(*) from flowly.runs") == 1
+    db.execute("create or replace function public.fail_the_first_runs() returns trigger"
+               " language plpgsql as $$ begin raise exception 'always the victim'"
+               " using errcode = '40001'; end $$")
+    with pytest.raises(psycopg.errors.SerializationFailure, match="always the victim"):
+        start("never")
+    assert scalar(db, "select count(*) from flowly.runs") == 1
