@@ -889,6 +889,7 @@ class Worker:
         often the listener must show it is alive: every lease, and twice as often as the
         server's ``idle_session_timeout`` where that is shorter (a listener is idle between
         notifications, and the server would end it, over and over)."""
+        await session.configure_async(conn, self.lease)  # its record_listener writes
         wakeup = await (await conn.execute(self._calls.wakeup_channel)).fetchone()
         assert wakeup is not None
         for channel in (wakeup[0], self._handoff_channel):
