@@ -26,10 +26,10 @@ from . import arguments
 from .bounded_calls import Cutoff, within
 from .db import (
     TERMINAL,
-    UTF8,
     Calls,
     adapt_connection,
     check_schema_name,
+    connect_params,
     dumps_argument,
     listen_to,
     set_up_session,
@@ -234,6 +234,7 @@ async def _until_finished_async(listener: psycopg.AsyncConnection[Any], run_id: 
 
 # how long past its timeout a wait may go on for the database's answer before it is cut off
 _ANSWER_GRACE = 1.0
+_CONNECT = connect_params("client")
 # times a call on a client's own connection is made in all when it loses a serialization race:
 # where the database's default isolation is stricter than READ COMMITTED, its one statement
 # may be chosen to fail for another transaction's sake (40001), and nothing of it committed
@@ -425,7 +426,7 @@ class Client:
             if conn is not None:
                 conn.close()
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
-                                                **UTF8, **self._connect_bound)
+                                                **_CONNECT, **self._connect_bound)
             adapt_connection(conn)
             set_up_session(conn)
         if self.timeout is not None and self._bounded is not conn:
@@ -602,7 +603,7 @@ class Client:
         if opened:
             if listener is not None:
                 listener.close()
-            listener = self._listener = psycopg.connect(self.dsn, autocommit=True, **UTF8,
+            listener = self._listener = psycopg.connect(self.dsn, autocommit=True, **_CONNECT,
                                                         **self._connect_bound)
             adapt_connection(listener)
         assert listener is not None
@@ -797,7 +798,7 @@ class AsyncClient:
                 if conn is not None:
                     await conn.close()
                 conn = self._conn = await psycopg.AsyncConnection.connect(
-                    self.dsn, autocommit=True, row_factory=dict_row, **UTF8,
+                    self.dsn, autocommit=True, row_factory=dict_row, **_CONNECT,
                     **_connect_bound(self.timeout))
                 adapt_connection(conn)
                 await set_up_session_async(conn)
@@ -914,7 +915,7 @@ class AsyncClient:
                 if listener is not None:
                     await listener.close()
                 listener = self._listener = await psycopg.AsyncConnection.connect(
-                    self.dsn, autocommit=True, **UTF8)
+                    self.dsn, autocommit=True, **_CONNECT)
                 adapt_connection(listener)
             assert listener is not None
             if opened or not self._waits:

@@ -157,10 +157,6 @@ def dumps(value: Any) -> str:
 # many parameters. A connection prepares nothing until it is seen to talk to its own server
 # session (set_up_session): unprepared, an idle start takes 0.15-0.25 ms longer.
 UNPREPARED: dict[str, Any] = {"prepare_threshold": None}
-# asked for by every connection flowly opens, whatever the database's or role's
-# client_encoding: under LATIN1, say, a run whose input held a character outside it failed
-# every claim of the worker that served it, and its hand-off broke the worker's listener
-UTF8: dict[str, Any] = {"client_encoding": "utf8"}
 _PREPARE_THRESHOLD = 5  # psycopg's default: a statement's fifth run prepares it
 # psycopg reads dates and intervals as text only in PostgreSQL's default styles: a database
 # or role set to another (DateStyle 'SQL, DMY', IntervalStyle 'iso_8601') failed every read
@@ -172,6 +168,15 @@ _SESSION_SETUP = (
     " set_config('datestyle', 'ISO', false) end,"
     " case when current_setting('intervalstyle') <> 'postgres' then"
     " set_config('intervalstyle', 'postgres', false) end")
+
+
+def connect_params(who: str) -> dict[str, Any]:
+    """What every connection flowly opens asks libpq for: UTF-8, whatever the database's or
+    role's client_encoding (under LATIN1, say, a run whose input held a character outside it
+    failed every claim of the worker that served it, and its hand-off broke the worker's
+    listener), and ``flowly <who>`` as its application_name in ``pg_stat_activity``, unless
+    the DSN or PGAPPNAME gives one."""
+    return {"client_encoding": "utf8", "fallback_application_name": f"flowly {who}"}
 
 
 def _prepare_if(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],

@@ -34,8 +34,8 @@ from .db import (
     NON_TERMINAL,
     TERMINAL,
     UNPREPARED,
-    UTF8,
     check_schema_name,
+    connect_params,
     set_up_session,
     translated_errors,
 )
@@ -299,7 +299,8 @@ def _frame_within(conn: psycopg.Connection[Any], schema: str, seconds: float,
 
 
 def _connect(dsn: str, **params: Any) -> psycopg.Connection[Any]:
-    return psycopg.connect(dsn, autocommit=True, **UNPREPARED, **UTF8, **params)
+    return psycopg.connect(dsn, autocommit=True, **UNPREPARED, **connect_params("top"),
+                           **params)
 
 
 def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: bool = False,

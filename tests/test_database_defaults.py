@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import flowly
 from tests.support import running_worker, scalar, wait_for
@@ -159,3 +160,23 @@ def test_a_client_s_own_call_that_loses_a_serialization_race_is_made_again_a_few
     with pytest.raises(psycopg.errors.SerializationFailure, match="always the victim"):
         start("never")
     assert scalar(db, "select count(*) from flowly.runs") == 1
+
+
+def _session_names(db: psycopg.Connection[Any], besides: list[int]) -> set[str]:
+    return {row[0] for row in db.execute(
+        "select application_name from pg_stat_activity"
+        " where datname = current_database() and pid <> all(%s)", (besides,))}
+
+
+def test_flowly_s_sessions_name_themselves_in_pg_stat_activity_unless_the_dsn_does(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    before = [row[0] for row in db.execute(  # this test's own
+        "select pid from pg_stat_activity where datname = current_database()")]
+    with flowly.Client(dsn) as client, running_worker(dsn, workflows=["quick"]):
+        assert client.wait(client.start("quick", None), timeout=20).status == "completed"
+        assert _session_names(db, before) == {"flowly worker", "flowly client"}
+    wait_for(lambda: _session_names(db, before) == set())
+    named = make_conninfo(dsn, application_name="billing")
+    with flowly.Client(named) as client, running_worker(named, workflows=["quick"]):
+        assert client.wait(client.start("quick", None), timeout=20).status == "completed"
+        assert _session_names(db, before) == {"billing"}

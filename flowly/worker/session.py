@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from ..db import UNPREPARED, UTF8, adapt_connection, set_up_session, set_up_session_async
+from ..db import UNPREPARED, adapt_connection, connect_params, set_up_session, set_up_session_async
 
 LOCK_TIMEOUT_MS = 2000
 # a statement of the engine takes milliseconds; this only stops one that is stuck
@@ -24,9 +24,9 @@ _MIN_STATEMENT_TIMEOUT_MS = 5000
 
 
 def connection_kwargs(lease: float) -> dict[str, Any]:
-    """libpq parameters for a worker connection: autocommit, UTF-8, and TCP keepalives that
-    notice a dead server (or path to it) within about a lease. Unix sockets ignore the
-    keepalives."""
+    """libpq parameters for a worker connection: autocommit, flowly's own (UTF-8, its
+    application_name), and TCP keepalives that notice a dead server (or path to it) within
+    about a lease. Unix sockets ignore the keepalives."""
     probe = max(1, int(lease / 3))
     return {
         "autocommit": True,
@@ -37,7 +37,7 @@ def connection_kwargs(lease: float) -> dict[str, Any]:
         "tcp_user_timeout": int(lease * 1000),
         "connect_timeout": max(2, int(lease)),
         **UNPREPARED,
-        **UTF8,
+        **connect_params("worker"),
     }
 
 
