@@ -34,7 +34,7 @@ from .arguments import STATUSES, seconds
 from .client import Client, Run
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
-from .db import DEFAULT_SCHEMA, TERMINAL, translated_errors
+from .db import DEFAULT_SCHEMA, TERMINAL, connect_params, translated_errors
 from .errors import (
     FlowlyError,
     InvalidArgument,
@@ -103,7 +103,7 @@ def cmd_install(args: argparse.Namespace) -> int:
         known = ", ".join(str(v) for v in names)
         raise CliError(f"--target {target}: no such migration (known: {known})", EXIT_USAGE)
     roles = getattr(args, "roles", False)
-    with psycopg.connect(args.dsn, autocommit=True) as conn:
+    with psycopg.connect(args.dsn, autocommit=True, **connect_params("install")) as conn:
         applied = install(conn, args.schema, target=target)
         versions = installed_versions(conn, args.schema)
         if roles:

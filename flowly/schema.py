@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .db import DEFAULT_SCHEMA, check_schema_name
+from .db import DEFAULT_SCHEMA, check_schema_name, connect_params
 from .errors import SchemaError, SchemaNotInstalled
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def setup_roles(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *,
 
 def install_dsn(dsn: str, schema: str = DEFAULT_SCHEMA, *, target: int | None = None) -> list[int]:
     """Connect to ``dsn`` and :func:`install`."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, **connect_params("install")) as conn:
         return install(conn, schema, target=target)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 
 from ..bounded_calls import on_daemon_thread
+from ..db import connect_params
 from ..render import one_line
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ async def connect_when_reachable(
     timeout of its own: a slow start is no reason to give up, a stop is what ends the wait."""
     failures = 0
     for delay in delays():
-        connecting = on_daemon_thread(partial(psycopg.Connection.connect, dsn, autocommit=True))
+        connecting = on_daemon_thread(partial(
+            psycopg.Connection.connect, dsn, autocommit=True, **connect_params("worker")))
         try:
             if not await unless_stopped(connecting):
                 connecting.add_done_callback(close_if_opened)
