@@ -471,7 +471,9 @@ class Context:
         (default), ``"repeatable read"`` or ``"serializable"``: a serialization failure or
         deadlock starts a fresh transaction, a few times, before the step fails through
         ``retry``. ``compensate(conn, output)`` runs in a transaction of its own that also
-        records its outcome. The output must be JSON, as for :meth:`step`.
+        records its outcome. The output must be JSON, as for :meth:`step`. What ``fn`` sets
+        for its session (``SET`` without ``LOCAL``) ends with the step: the worker sets the
+        connection back before it serves anything else.
         """
         if isolation is not None and isolation not in ISOLATION_LEVELS:
             raise WorkflowCodeError(f"transaction {name!r}: isolation must be one of"

@@ -15,6 +15,7 @@ import contextlib
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ..db import UNPREPARED, adapt_connection, connect_params, set_up_session, set_up_session_async
 
@@ -48,24 +49,41 @@ def call_timeout(lease: float) -> float:
 
 
 def settings(lease: float) -> dict[str, str]:
-    """Session settings (GUCs) of a worker connection, in milliseconds."""
+    """Session settings (GUCs) of a worker connection. READ COMMITTED whatever the database's
+    or role's default: the engine's calls are written for it (a claim or a write that meets a
+    row changed meanwhile re-reads it; under SERIALIZABLE they failed each other's commits,
+    and a claim or a batch of writes failed with them), and a transactional step's default
+    isolation is READ COMMITTED (ctx.transaction)."""
     lease_ms = int(lease * 1000)
     return {
         "lock_timeout": str(LOCK_TIMEOUT_MS),
         "statement_timeout": str(max(lease_ms, _MIN_STATEMENT_TIMEOUT_MS)),
         "idle_in_transaction_session_timeout": str(max(lease_ms, 1000)),
+        "default_transaction_isolation": "read committed",
     }
 
 
-# READ COMMITTED whatever the database's or role's default: the engine's calls are written for
-# it (a claim or a write that meets a row changed meanwhile re-reads it; under SERIALIZABLE
-# they failed each other's commits, and a claim or a batch of writes failed with them), and a
-# transactional step's default isolation is READ COMMITTED (ctx.transaction)
-_SET = "select set_config('lock_timeout', %(lock_timeout)s, false)," \
-       " set_config('statement_timeout', %(statement_timeout)s, false)," \
-       " set_config('idle_in_transaction_session_timeout'," \
-       " %(idle_in_transaction_session_timeout)s, false)," \
-       " set_config('default_transaction_isolation', 'read committed', false)"
+# what set_up_session and connect_params gave the session, and its role: a transactional
+# step's SQL may change any of them for good (a SET without LOCAL, SET ROLE)
+_AS_OPENED = {"role": "none", "default_transaction_read_only": "off",
+              "client_encoding": "UTF8", "datestyle": "ISO", "intervalstyle": "postgres"}
+
+
+def _set_all(values: dict[str, str]) -> sql.Composed:
+    """One statement that sets each of ``values`` for the session."""
+    return sql.SQL("select ") + sql.SQL(", ").join(
+        sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
+        for name, value in values.items())
+
+
+def restoring(query: sql.Composable, lease: float) -> sql.Composed:
+    """``query`` (a transactional step's checkpoint, run in its transaction) and, in the same
+    statement, the session set back as flowly opened it: left as the step's SQL left it once
+    the transaction commits, a statement_timeout of 1 ms, a read-only default or LATIN1 failed
+    every later call on the connection, other runs' included. Rolled back, the transaction
+    takes the step's settings back with it."""
+    return sql.SQL("select done.* from ({}) done, ({}) restored").format(
+        query, _set_all({**_AS_OPENED, **settings(lease)}))
 
 
 # PostgreSQL 14+ on Linux, macOS and the BSDs; elsewhere the server refuses a value other than
@@ -80,7 +98,7 @@ def _check_client_every(lease: float) -> tuple[str]:
 async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> None:
     adapt_connection(conn)
     await set_up_session_async(conn)
-    await conn.execute(_SET, settings(lease))
+    await conn.execute(_set_all(settings(lease)))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         await conn.execute(_CHECK_CLIENT, _check_client_every(lease))
 
@@ -88,6 +106,6 @@ async def configure_async(conn: psycopg.AsyncConnection[Any], lease: float) -> N
 def configure(conn: psycopg.Connection[Any], lease: float) -> None:
     adapt_connection(conn)
     set_up_session(conn)
-    conn.execute(_SET, settings(lease))
+    conn.execute(_set_all(settings(lease)))
     with contextlib.suppress(psycopg.errors.InvalidParameterValue):
         conn.execute(_CHECK_CLIENT, _check_client_every(lease))

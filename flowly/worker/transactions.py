@@ -168,7 +168,8 @@ class Transactions:
                     query, params = finish(result)
                     cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
                     with translated_errors():
-                        cursor = await conn.execute(query, params)
+                        cursor = await conn.execute(session.restoring(query, self._lease),
+                                                    params)
                         return await cursor.fetchone()
 
     def _run_sync(
@@ -195,7 +196,8 @@ class Transactions:
                 query, params = finish(result)
                 cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
                 with translated_errors():
-                    return conn.execute(query, params).fetchone()
+                    return conn.execute(session.restoring(query, self._lease),
+                                        params).fetchone()
 
     @contextmanager
     def _sync_transaction(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
