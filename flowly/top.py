@@ -341,9 +341,10 @@ def run(dsn: str, schema: str = DEFAULT_SCHEMA, *, once: bool = False, as_json: 
                     if "q" in read_key(left).lower():
                         return 0
                 try:
-                    new = conn is None or conn.closed
-                    if conn is None or new:
-                        conn = _connect(dsn, connect_timeout=int(_FRAME_LIMIT))
+                    if conn is None or conn.closed:
+                        conn, new = _connect(dsn, connect_timeout=int(_FRAME_LIMIT)), True
+                    else:
+                        new = False
                     snap, error = _frame_within(conn, schema, _FRAME_LIMIT, new), None
                 except psycopg.OperationalError as exc:  # keep drawing, say why it is stale
                     error = one_line(str(exc))

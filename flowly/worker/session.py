@@ -12,6 +12,7 @@ rows anyway; this bounds the rest, such as a start behind an uncommitted concurr
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import psycopg
@@ -63,10 +64,11 @@ def settings(lease: float) -> dict[str, str]:
     }
 
 
-# what set_up_session and connect_params gave the session, and its role: a transactional
-# step's SQL may change any of them for good (a SET without LOCAL, SET ROLE)
-_AS_OPENED = {"role": "none", "default_transaction_read_only": "off",
-              "client_encoding": "UTF8", "datestyle": "ISO", "intervalstyle": "postgres"}
+# what set_up_session and connect_params gave the session, which a transactional step's SQL
+# may change for good (a SET without LOCAL). Not its role: a SET ROLE to a role without
+# flowly's grants fails the step's own checkpoint, and its rollback takes the role back.
+_AS_OPENED = {"default_transaction_read_only": "off", "client_encoding": "UTF8",
+              "datestyle": "ISO", "intervalstyle": "postgres"}
 
 
 def _set_all(values: dict[str, str]) -> sql.Composed:
@@ -83,7 +85,12 @@ def restoring(query: sql.Composable, lease: float) -> sql.Composed:
     every later call on the connection, other runs' included. Rolled back, the transaction
     takes the step's settings back with it."""
     return sql.SQL("select done.* from ({}) done, ({}) restored").format(
-        query, _set_all({**_AS_OPENED, **settings(lease)}))
+        query, _restoring_settings(lease))
+
+
+@functools.lru_cache(maxsize=8)
+def _restoring_settings(lease: float) -> sql.Composed:
+    return _set_all({**_AS_OPENED, **settings(lease)})
 
 
 # PostgreSQL 14+ on Linux, macOS and the BSDs; elsewhere the server refuses a value other than
