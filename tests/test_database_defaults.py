@@ -9,6 +9,9 @@ as an application sets them for its own sessions):
   run's replay included (its run dead-lettered);
 - a client_encoding short of UTF-8: a run whose input held a character outside it failed
   every claim of the worker that served it.
+
+Also: a Client's own call that the database chose to fail under SERIALIZABLE is made again,
+and flowly's sessions name themselves in pg_stat_activity.
 """
 
 from __future__ import annotations
