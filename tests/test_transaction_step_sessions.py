@@ -21,6 +21,10 @@ SESSION_CHANGES = [
     "set statement_timeout = 1",
     "set default_transaction_read_only = on",
     "set client_encoding = 'LATIN1'",
+    # and a function that commits flowly's transaction itself, which fails its step at once
+    # (the checkpoint that would set the session back is refused): what it set committed
+    "set default_transaction_read_only = on; commit",
+    "set client_encoding = 'LATIN1'; commit",
 ]
 
 

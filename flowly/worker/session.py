@@ -85,11 +85,12 @@ def restoring(query: sql.Composable, lease: float) -> sql.Composed:
     every later call on the connection, other runs' included. Rolled back, the transaction
     takes the step's settings back with it."""
     return sql.SQL("select done.* from ({}) done, ({}) restored").format(
-        query, _restoring_settings(lease))
+        query, set_back(lease))
 
 
 @functools.lru_cache(maxsize=8)
-def _restoring_settings(lease: float) -> sql.Composed:
+def set_back(lease: float) -> sql.Composed:
+    """The statement that sets a worker session back as flowly opened it (see restoring)."""
     return _set_all({**_AS_OPENED, **settings(lease)})
 
 

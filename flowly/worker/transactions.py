@@ -18,6 +18,7 @@ one run's slow or failing SQL would hold up or roll back every other run in the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ import psycopg
 from psycopg import pq, sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ..bounded_calls import Cutoff
+from ..bounded_calls import Cutoff, within
 from ..context import UserCodeFailed, serialise_output
 from ..db import Calls, translated_errors
 from ..errors import FlowlyError, WorkflowCodeError
@@ -36,6 +37,8 @@ from ..user_tasks import user_code
 from ..workflow import is_async
 from . import session
 from .step_threads import StepThreads
+
+logger = logging.getLogger(__name__)
 
 # fresh transactions a step gets after its SQL lost a serialization race or a deadlock
 SERIALIZATION_TRIES = 5
@@ -165,6 +168,9 @@ class Transactions:
                         if failure is exc:
                             raise
                         raise failure from exc
+                    finally:
+                        if _ended_by_function(conn):
+                            await self._set_back_async(conn)
                     query, params = finish(result)
                     cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
                     with translated_errors():
@@ -193,11 +199,33 @@ class Transactions:
                     if failure is exc:
                         raise
                     raise failure from exc
+                finally:
+                    if _ended_by_function(conn):
+                        self._set_back_sync(conn, cutoff)
                 query, params = finish(result)
                 cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
                 with translated_errors():
                     return conn.execute(session.restoring(query, self._lease),
                                         params).fetchone()
+
+    async def _set_back_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Set back a session whose function ended flowly's transaction itself: what it set
+        committed with it, and the step's checkpoint, which would set it back, is refused.
+        A connection that does not take it is closed; the pool opens another."""
+        try:
+            await within(self._call_timeout, conn.execute(session.set_back(self._lease)))
+        except Exception as exc:
+            logger.warning("closing a connection a transactional step left unusable: %s", exc)
+            await conn.close()
+
+    def _set_back_sync(self, conn: psycopg.Connection[Any], cutoff: Cutoff) -> None:
+        """:meth:`_set_back_async` for a sync function's connection."""
+        try:
+            cutoff.arm(self._call_timeout)
+            conn.execute(session.set_back(self._lease))
+        except Exception as exc:
+            logger.warning("closing a connection a transactional step left unusable: %s", exc)
+            conn.close()
 
     @contextmanager
     def _sync_transaction(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
@@ -244,13 +272,20 @@ def _failure_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
     checkpoint, which checks its transaction.)"""
     if conn.broken or conn.closed:
         return exc
-    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+    if _ended_by_function(conn):
         ended = WorkflowCodeError(
             f"the function ended the transaction flowly opened for it (a COMMIT or ROLLBACK in"
             f" its SQL) and then raised {exc!r}: let flowly commit")
         ended.__cause__ = exc
         return UserCodeFailed(ended)
     return UserCodeFailed(exc)
+
+
+def _ended_by_function(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the function ended the transaction flowly opened for it (a COMMIT or ROLLBACK
+    in its SQL) on a connection still open."""
+    return not (conn.broken or conn.closed) \
+        and conn.info.transaction_status == pq.TransactionStatus.IDLE
 
 
 def _set_isolation(isolation: str) -> sql.Composed:
