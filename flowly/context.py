@@ -39,7 +39,14 @@ ISOLATION_LEVELS: tuple[Isolation, ...] = ("read committed", "repeatable read", 
 
 
 class Interrupt(BaseException):
-    """Ends a workflow body early on purpose; the worker knows what each kind means."""
+    """Ends a workflow body early on purpose; the worker knows what each kind means.
+
+    A body that catches one anyway (a bare ``except:``) is still ended: every later ``ctx``
+    call raises it again, and the worker acts on it however the body ended."""
+
+    def again(self) -> Interrupt:
+        """The same interrupt, raised anew (each raise adds to an instance's traceback)."""
+        return type(self)(*self.args)
 
 
 class SleepInterrupt(Interrupt):
@@ -61,6 +68,9 @@ class CompensateInterrupt(Interrupt):
     def __init__(self, decision: str) -> None:
         super().__init__(decision)
         self.decision = decision
+
+    def again(self) -> CompensateInterrupt:
+        return CompensateInterrupt(self.decision)
 
 
 class LeaseLostInterrupt(Interrupt):
@@ -231,7 +241,8 @@ class RefusedWrite(Exception):
 
 
 async def run_write(
-    run_id: str, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False
+    run_id: str, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False,
+    interrupted: Callable[[Interrupt], Interrupt] | None = None,
 ) -> T:
     """Make one engine call for run ``run_id``, and sort out how it failed.
 
@@ -241,7 +252,8 @@ async def run_write(
     (RunAbandoned). What user code inside the call raised (:class:`UserCodeFailed`) is raised
     as itself. Any other database error refused the call for its content: it is raised
     as :class:`RefusedWrite` (a step fails with it, without retries), or as itself with
-    ``refused_raises`` (a sleep or a start the body asked for).
+    ``refused_raises`` (a sleep or a start the body asked for). An interrupt is passed through
+    ``interrupted`` (the body's context, which remembers it) before it is raised.
     """
     pause = _BUSY_PAUSE_FIRST
     while True:
@@ -251,7 +263,8 @@ async def run_write(
             # raised below, outside this handler, which would otherwise become its context
             user_error = failed.error
         except LeaseLost as exc:
-            raise LeaseLostInterrupt(str(exc)) from None
+            lost = LeaseLostInterrupt(str(exc))
+            raise (interrupted(lost) if interrupted else lost) from None
         except Exception as exc:
             if is_contention(exc):
                 await asyncio.sleep(pause)
@@ -259,7 +272,8 @@ async def run_write(
                 continue
             if is_connection_failure(exc):
                 # not this run's fault: another try after the lease expires may succeed
-                raise RunAbandoned(f"run {run_id}: {exc}") from exc
+                abandoned = RunAbandoned(f"run {run_id}: {exc}")
+                raise (interrupted(abandoned) if interrupted else abandoned) from exc
             if refused_raises or isinstance(exc, RefusedWrite):
                 raise
             raise RefusedWrite(str(exc)) from exc
@@ -359,6 +373,13 @@ class Context:
         self.waiting: list[str] = []
         # the sleep this execution reached whose wake time is ahead: (name, wake time, position)
         self.sleeping: tuple[str, datetime, int] | None = None
+        # the first interrupt (sleep, wait, lost lease or connection) a call raised in each
+        # task of the body: that task is over even if it caught the interrupt (a bare
+        # except), so its later calls raise it again rather than start what the run is not
+        # to run now; the body's other tasks go on (steps beside a wait) until the body ends
+        self._interrupts: dict[asyncio.Task[Any] | None, Interrupt] = {}
+        # set once the body ended: a call from a task it left running starts nothing
+        self._ended: Interrupt | None = None
 
     @property
     def compensating(self) -> bool:
@@ -509,8 +530,8 @@ class Context:
             if stored.status == "completed":
                 return stored.output
             raise CompensateInterrupt("compensate")
-        if self._deciding or self._halted is not None:
-            await self._stop_if_decided()
+        if self._deciding or self._halted is not None or self._interrupts or self._ended:
+            await self._stop_if_ended()
         self._store.check_lease()
 
         policy = retry or self._default_retry
@@ -562,15 +583,40 @@ class Context:
             raise RetryInterrupt(name) from None
         raise CompensateInterrupt(decision) from None
 
-    async def _stop_if_decided(self) -> None:
+    async def _stop_if_ended(self) -> None:
         """End the body if a failed step decided the run's fate, waiting for a decision being
-        asked for: a step, sleep, wait or child that would start after it must not (a sibling
-        that started before the failure was decided is waited for and joins the saga)."""
+        asked for, or if a call interrupted it: a step, sleep, wait or child that would start
+        after it must not (a sibling that started before the failure was decided is waited
+        for and joins the saga)."""
         await self._until(lambda: self._deciding == 0)
+        self._raise_if_decided()
+        interrupt = self._ended or self._interrupts.get(asyncio.current_task())
+        if interrupt is not None:
+            raise interrupt.again()
+
+    def _raise_if_decided(self) -> None:
         if self._halted == "retry":
             raise RetryInterrupt(self._halted)
         if self._halted is not None:
             raise CompensateInterrupt(self._halted)
+
+    def end(self) -> None:
+        """The body returned or raised: from now on no call starts anything (one from a task
+        the body left running), while the worker acts on how the body ended."""
+        self._ended = LeaseLostInterrupt(f"run {self.run_id}: its body ended")
+
+    def raise_if_interrupted(self) -> None:
+        """For a body that returned: raise what must end the run instead of its output, a
+        failed step's decision or the first interrupt any of its tasks met, which the body
+        caught (a bare except, ``gather(..., return_exceptions=True)``)."""
+        self._raise_if_decided()
+        for interrupt in self._interrupts.values():
+            raise interrupt.again()
+
+    def _interrupt(self, interrupt: Interrupt) -> Interrupt:
+        """``interrupt``, remembered as the running task's if it is its first."""
+        self._interrupts.setdefault(asyncio.current_task(), interrupt)
+        return interrupt
 
     async def settled(self) -> None:
         """Wait until no step of this execution is running or failing (the body ended, but
@@ -607,7 +653,7 @@ class Context:
         timer = await self._write(lambda: self.history.get(name))
         if isinstance(timer, StoredTimer) and timer.due:
             return
-        await self._stop_if_decided()
+        await self._stop_if_ended()
         # the wake time is stored now, as the sleep is reached; the worker releases the run
         # once the steps running beside it landed (under a release their checkpoints would be
         # stale, and they would run again)
@@ -616,7 +662,7 @@ class Context:
             refused_raises=True)
         if ahead:
             self.sleeping = (name, stored_wake_at, position)
-            raise SleepInterrupt(name)
+            raise self._interrupt(SleepInterrupt(name))
         self.history.record(name, StoredTimer(stored_wake_at, True))
 
     def start(
@@ -673,7 +719,7 @@ class Context:
         stored = await self._write(lambda: self.history.get(record))
         if isinstance(stored, StoredStep):
             return str(stored.output)
-        await self._stop_if_decided()
+        await self._stop_if_ended()
         started = await self._write(lambda: self._store.start_run(
             name, input, child_id, options, defaults, record, position), refused_raises=True)
         self.history.record(record, StoredStep("completed", started, 0, position=position,
@@ -749,11 +795,11 @@ class Context:
         if isinstance(stored, StoredStep):
             recorded: dict[str, Any] = stored.output
             return recorded
-        await self._stop_if_decided()
+        await self._stop_if_ended()
         answer = await self._waited(lambda: register(record, position))
         if answer[0] == "waiting":
             self.waiting.append(record)
-            raise WaitInterrupt(record)
+            raise self._interrupt(WaitInterrupt(record))
         outcome = outcome_of(answer)
         self.history.record(record, StoredStep("completed", outcome, 0, position=position,
                                                kind=kind))
@@ -804,4 +850,5 @@ class Context:
     def _write(
         self, call: Callable[[], Awaitable[T]], *, refused_raises: bool = False
     ) -> Coroutine[Any, Any, T]:
-        return run_write(self.run_id, call, refused_raises=refused_raises)
+        return run_write(self.run_id, call, refused_raises=refused_raises,
+                         interrupted=self._interrupt)

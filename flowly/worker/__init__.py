@@ -138,6 +138,15 @@ class _Held:
     task: asyncio.Task[None] | None = None
     # its completion was written: the run left nothing behind for a claim to take
     completed: bool = False
+    # why this worker stopped executing it (its task was cancelled): a body that caught
+    # the cancellation must not start another step
+    stopped: str | None = None
+
+    def stop(self, why: str) -> None:
+        """Cancel the execution; no step of it starts from now on."""
+        self.stopped = why
+        if self.task is not None:
+            self.task.cancel()
 
 
 class _RunStore:
@@ -148,6 +157,8 @@ class _RunStore:
         self._held = held
 
     def check_lease(self) -> None:
+        if self._held.stopped is not None:
+            raise LeaseLostInterrupt(f"run {self._held.run_id}: {self._held.stopped}")
         if time.monotonic() > self._held.lease_until:
             raise LeaseLostInterrupt(
                 f"run {self._held.run_id}: no claim or heartbeat answered for more than the"
@@ -623,7 +634,7 @@ class Worker:
             # outage longer than the lease): the old execution is fenced off, stop it
             logger.warning("run %s taken over from ourselves: cancelling the old execution",
                            run.run_id)
-            stale.task.cancel()
+            stale.stop("taken over by a later claim of this worker")
         held = _Held(run.run_id, run.epoch, lease_until=lease_until)
         self._held[run.run_id] = held
         held.task = asyncio.create_task(
@@ -924,7 +935,7 @@ class Worker:
         # heartbeat was in flight: only the execution it was sent for is lost
         if self._held.get(held.run_id) is held and held.task is not None:
             logger.warning("lease lost on run %s: cancelling it here", held.run_id)
-            held.task.cancel()
+            held.stop("its lease was lost (a heartbeat found it cancelled or taken over)")
 
     async def _tell_heartbeat_the_loop_turns(self, heartbeat: Heartbeat) -> None:
         while True:
@@ -999,9 +1010,9 @@ class Worker:
         unfinished = list(self._held.values())
         if not unfinished:
             return
+        for held in unfinished:
+            held.stop("the worker is stopping")
         tasks = [h.task for h in unfinished if h.task is not None]
-        for task in tasks:
-            task.cancel()
         if tasks:
             # a step that ignores its cancellation must not hold the shutdown up: the release
             # bumps the epoch, so nothing it writes afterwards can land
@@ -1071,15 +1082,18 @@ class Worker:
 
         Only failures of the body itself (or an output that is not JSON, or that the database
         refuses) go to ``fail_run``; a lost lease or connection propagates to
-        :meth:`_execute` as an interrupt.
+        :meth:`_execute` as an interrupt. A body that returns although a call interrupted it
+        (it caught the interrupt: a bare ``except:``, ``gather(..., return_exceptions=True)``)
+        is interrupted all the same; one that fails instead has failed (a retry of the run
+        replays up to the interrupt again).
         """
         try:
-            result = await _call_body(workflow, ctx, input)
+            try:
+                result = await _call_body(workflow, ctx, input)
+            finally:
+                ctx.end()
             await ctx.settled()  # parallel steps the body left behind land first
-            if ctx.compensating:
-                return "compensate"
-            if ctx.waiting:  # gather(..., return_exceptions=True) swallowed a wait's interrupt
-                raise WaitInterrupt(ctx.waiting[0])
+            ctx.raise_if_interrupted()
             unawaited = ctx.unawaited()
             if unawaited:
                 raise WorkflowCodeError(
