@@ -657,9 +657,8 @@ class Context:
         # the wake time is stored now, as the sleep is reached; the worker releases the run
         # once the steps running beside it landed (under a release their checkpoints would be
         # stale, and they would run again)
-        stored_wake_at, ahead = await self._write(
-            lambda: self._store.sleep(name, wake_at, seconds, position, False),
-            refused_raises=True)
+        stored_wake_at, ahead = await self._registered(
+            lambda: self._store.sleep(name, wake_at, seconds, position, False))
         if ahead:
             self.sleeping = (name, stored_wake_at, position)
             raise self._interrupt(SleepInterrupt(name))
@@ -796,7 +795,7 @@ class Context:
             recorded: dict[str, Any] = stored.output
             return recorded
         await self._stop_if_ended()
-        answer = await self._waited(lambda: register(record, position))
+        answer = await self._registered(lambda: register(record, position))
         if answer[0] == "waiting":
             self.waiting.append(record)
             raise self._interrupt(WaitInterrupt(record))
@@ -837,9 +836,10 @@ class Context:
             self._body_wide_names = await self._write(self._store.records_predate_branch_names)
         return name.body_wide if self._body_wide_names else name.per_branch
 
-    async def _waited(self, call: Callable[[], Awaitable[T]]) -> T:
-        """A wait's engine call, counted as in flight so the run is parked only once every
-        wait of a parallel fan-in registered."""
+    async def _registered(self, call: Callable[[], Awaitable[T]]) -> T:
+        """A wait's or a sleep's engine call, counted as in flight so the run is parked (or
+        released) only once every wait and sleep of a parallel fan-in was stored: a parked
+        run wakes at the earliest of them."""
         self._in_flight += 1
         try:
             return await self._write(call, refused_raises=True)

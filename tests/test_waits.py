@@ -513,3 +513,43 @@ def test_a_wait_that_outlasts_the_server_s_idle_session_timeout_returns_the_run(
     assert run.status == "completed", run
     assert "heartbeat failed" not in caplog.text, caplog.text
     assert "wake-up listener lost" not in caplog.text, caplog.text
+
+
+_REMINDED: dict[str, float] = {}
+
+
+@flowly.workflow("tw_reminder_beside_an_approval", max_attempts=1)
+async def tw_reminder_beside_an_approval(ctx: flowly.Context, wait_first: bool) -> Any:
+    """A reminder sent after a durable sleep, beside a wait for the approval it reminds of."""
+
+    async def remind() -> Any:
+        await ctx.sleep("reminder delay", 1)
+        return await ctx.step("remind", lambda: _REMINDED.setdefault(ctx.run_id,
+                                                                      time.monotonic()) and "sent")
+
+    async def approve() -> Any:
+        return await ctx.wait_for_event("approval")
+
+    if wait_first:
+        approval, reminder = await asyncio.gather(approve(), remind())
+    else:
+        reminder, approval = await asyncio.gather(remind(), approve())
+    return [reminder, approval]
+
+
+@pytest.mark.parametrize("wait_first", [True, False], ids=["wait-first", "sleep-first"])
+def test_a_sleep_beside_a_wait_ends_at_its_time_while_the_wait_goes_on(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any], wait_first: bool
+) -> None:
+    """The body ended on whichever interrupt came first. Parked on the wait, the run slept
+    until the event: the sleep's wake time was stored but not counted (or its write not yet
+    answered when the run parked), so the reminder waited for the approval it reminds of."""
+    run_id = client.start("tw_reminder_beside_an_approval", wait_first)
+    started = time.monotonic()
+    with running_worker(dsn, workflows=[tw_reminder_beside_an_approval]):
+        wait_for(lambda: run_id in _REMINDED, timeout=10, what="the reminder, with no event")
+        assert _REMINDED[run_id] - started >= 1.0
+        wait_for(lambda: _parked(db, run_id), what="parked on the approval again")
+        client.send_event(run_id, "approval", "granted")
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.output) == ("completed", ["sent", "granted"]), run
