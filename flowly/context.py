@@ -321,6 +321,18 @@ def _record_name(kind: str, key: str) -> str:
     return f"{kind}:sha256:{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()}"
 
 
+def _fitted_id(run_id: str, workflow: str) -> str:
+    """A default child id as made (``<parent id>:<workflow>:<n>``), or its digest when that
+    is longer than an id may be: each level of a chain of children adds to its parent's id,
+    and an id the engine made must not be refused as too long."""
+    encoded = run_id.encode("utf-8", "surrogatepass")
+    if len(encoded) <= _MAX_NAME_BYTES:
+        return run_id
+    digest = f"sha256:{hashlib.sha256(encoded).hexdigest()}"
+    named = f"{workflow}:{digest}"
+    return named if len(named.encode("utf-8", "surrogatepass")) <= _MAX_NAME_BYTES else digest
+
+
 class Context:
     """Handed to a workflow body as ``ctx``; one per execution of a run."""
 
@@ -676,10 +688,11 @@ class Context:
         Without ``run_id`` the child's id is derived from this run's id, the workflow name and
         how many runs of that workflow this branch of the body started before (see
         :mod:`flowly.branches`): ``<run id>:<workflow>:<n>`` in the body's own task,
-        ``<run id>:<workflow>:<branch>/<n>`` in a task it created. The id that ``start``
-        returned (the child's, or the live run holding its concurrency key) is recorded in
-        this run's steps in the same transaction, and replays return the record. ``workflow``
-        is a name or a decorated function; ``options`` are those of
+        ``<run id>:<workflow>:<branch>/<n>`` in a task it created; an id that would be longer
+        than 1,000 bytes (a deep chain of children) is ``<workflow>:sha256:<its digest>``.
+        The id that ``start`` returned (the child's, or the live run holding its concurrency
+        key) is recorded in this run's steps in the same transaction, and replays return the
+        record. ``workflow`` is a name or a decorated function; ``options`` are those of
         :meth:`flowly.Client.start` (queue, priority, ...), over the child workflow's own
         defaults when it is registered in this process.
         """
@@ -696,7 +709,7 @@ class Context:
 
         def child_id(path: tuple[int, ...], count: int) -> str:
             at = f"{branch_label(path)}/{count}" if path else str(count)
-            return f"{self.run_id}:{name}:{at}"
+            return _fitted_id(f"{self.run_id}:{name}:{at}", name)
 
         return self._counted(name, child_id)
 

@@ -494,3 +494,30 @@ def test_branches_name_their_children_and_waits_by_branch(
         (parent,)))
     assert names == ["run:tc-names:tc_echo:1/1#1/1", "run:tc-names:tc_echo:2/1#2/1",
                      "start:tc-names:tc_echo:1/1", "start:tc-names:tc_echo:2/1"], names
+
+
+@flowly.workflow("tc_chain", max_attempts=1)
+async def tc_chain(ctx: flowly.Context, depth: int) -> Any:
+    """A chain of default-named children, each a level deeper."""
+    if depth == 0:
+        return ctx.run_id
+    return await ctx.run("tc_chain", depth - 1)
+
+
+def test_a_default_child_id_longer_than_ids_may_be_is_digested_not_refused(
+    dsn: str, client: flowly.Client
+) -> None:
+    """Each level's default id adds `:<workflow>:<n>` to its parent's: a chain about 90 deep
+    (or a parent whose own id is near the limit) reached 1,000 bytes, and the child's start
+    was refused with InvalidArgument for an id the engine made itself, failing every run of
+    the chain."""
+    parent = client.start("tc_chain", 3, run_id="p" * 980)
+    with running_worker(dsn, workflows=[tc_chain]):
+        run = client.wait(parent, timeout=30)
+        assert run.status == "completed", run.error
+        deepest = run.output
+        assert len(deepest.encode()) <= 1000
+        assert deepest.startswith("tc_chain:sha256:"), deepest
+        # a replay of the chain's runs finds the same ids: each level is recorded once
+        chain = [r.id for r in client.list_runs(workflow="tc_chain", limit=10)]
+        assert len(chain) == 4 and deepest in chain
