@@ -452,6 +452,12 @@ select not exists (select from schema_migrations where version = 73) as apply_mi
     insert into schema_migrations (version, name) values (73, '0073_parked_runs_wake_for_their_sleeps');
 \endif
 
+select not exists (select from schema_migrations where version = 74) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0074_the_settings_row_stays.sql
+    insert into schema_migrations (version, name) values (74, '0074_the_settings_row_stays');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -311,3 +311,19 @@ def test_top_does_not_read_every_dead_letter(db: psycopg.Connection[Any], dsn: s
     total = db.execute("select pg_relation_size('flowly.runs') / 8192").fetchone()[0]
     assert after - before < 200, f"one frame of top read {after - before} pages of runs" \
                                  f" (the table has {total})"
+
+
+@pytest.mark.parametrize("statement", ["delete from flowly.settings",
+                                       "truncate flowly.settings"])
+def test_the_settings_row_cannot_be_deleted_only_changed(
+    db: psycopg.Connection[Any], statement: str
+) -> None:
+    """`flowly.settings` holds one row (max_takeovers, the roles setup_roles made). Deleted
+    (an operator resetting it), max_takeovers() read NULL and turned poison-run detection
+    off without a word, and the roles' grants were no longer applied on upgrade."""
+    with pytest.raises(psycopg.Error) as refused:
+        db.execute(statement)
+    assert refused.value.sqlstate == "WF004"
+    assert "flowly.settings keeps its one row: update it" in str(refused.value)
+    db.execute("update flowly.settings set max_takeovers = 5")
+    assert db.execute("select flowly.max_takeovers()").fetchone() == (5,)
