@@ -34,7 +34,7 @@ from .arguments import STATUSES, seconds
 from .client import Client, Run
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
-from .db import DEFAULT_SCHEMA, TERMINAL, connect_params, translated_errors
+from .db import DEFAULT_SCHEMA, TERMINAL, connect_params, schema_identifier, translated_errors
 from .errors import (
     FlowlyError,
     InvalidArgument,
@@ -366,7 +366,7 @@ def resolve_run_id(client: Client, given: str) -> str:
     """
     if not given:
         raise CliError("RUN must not be empty: give a run id or a prefix of one", EXIT_USAGE)
-    schema = sql.Identifier(client.calls.schema)
+    schema = schema_identifier(client.calls.schema)
     exact = sql.SQL("select id from {}.runs where id = %s").format(schema)
     if client._fetch(exact, (given,)):
         return given

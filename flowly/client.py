@@ -32,6 +32,7 @@ from .db import (
     connect_params,
     dumps_argument,
     listen_to,
+    schema_identifier,
     set_up_session,
     set_up_session_async,
     still_open,
@@ -368,7 +369,7 @@ def list_runs_query(
             else "created_at >= %(since)s::timestamptz"))
     where = sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL("")
     query = sql.SQL("select {} from {}.runs{} order by created_at desc, id limit %(limit)s").format(
-        sql.SQL("*") if data else _RUN_WITHOUT_DATA, sql.Identifier(check_schema_name(schema)),
+        sql.SQL("*") if data else _RUN_WITHOUT_DATA, schema_identifier(check_schema_name(schema)),
         where)
     return query, params
 

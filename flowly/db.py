@@ -283,11 +283,24 @@ def rendered(query: sql.Composable) -> sql.SQL:
     return sql.SQL(query.as_string())
 
 
+def schema_identifier(schema: str) -> sql.Composable:
+    """``schema`` quoted as an identifier, fit for a query that also has parameters.
+
+    psycopg reads every ``%`` of such a query as a placeholder, inside quotes too, so a name
+    with one is spelled as a Unicode escape identifier instead (``100%`` as
+    ``U&"100\\0025"``): the same name to the server, with no ``%`` in the text.
+    """
+    if "%" not in schema:
+        return sql.Identifier(schema)
+    escaped = schema.replace("\\", "\\\\").replace('"', '""').replace("%", "\\0025")
+    return sql.SQL(f'U&"{escaped}"')
+
+
 def schema_statement(schema: str, text: str, **literals: Any) -> sql.SQL:
     """``text`` with ``{s}`` the schema's quoted name and each ``{name}`` of ``literals`` its
     value as a literal, rendered once."""
     return rendered(sql.SQL(text).format(
-        s=sql.Identifier(schema), **{name: sql.Literal(v) for name, v in literals.items()}))
+        s=schema_identifier(schema), **{name: sql.Literal(v) for name, v in literals.items()}))
 
 
 CLAIMED_INPUT_BYTES = 64 * 1024

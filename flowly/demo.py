@@ -37,7 +37,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .client import Client, Step
-from .db import DEFAULT_SCHEMA
+from .db import DEFAULT_SCHEMA, schema_identifier
 from .examples import order as order_module
 from .render import RunDetail, format_time, load_run, quote_ident, quote_literal, render_run
 from .schema import install_dsn, migrations
@@ -162,7 +162,7 @@ class _Demo:
         self.workers.append(worker)
         pattern = f"%:{worker.pid}:%"
         query = sql.SQL("select 1 from {}.workers where id like %s").format(
-            sql.Identifier(self.schema))
+            schema_identifier(self.schema))
 
         def registered() -> bool | None:
             return True if self.client.connection.execute(query, (pattern,)).fetchone() else None

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .db import DEFAULT_SCHEMA, check_schema_name, connect_params
+from .db import DEFAULT_SCHEMA, check_schema_name, connect_params, schema_identifier
 from .errors import SchemaError, SchemaNotInstalled
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def install(
                              " current_setting('client_min_messages')").fetchone()
         conn.execute("set local client_min_messages = warning")
         conn.execute("select pg_advisory_xact_lock(%s)", (INSTALL_LOCK_KEY,))
-        conn.execute(sql.SQL("create schema if not exists {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("create schema if not exists {}").format(schema_identifier(schema)))
         conn.execute(
             "select set_config('search_path', format('%%I, pg_catalog, pg_temp', %s::text), true)",
             (schema,),
@@ -136,7 +136,7 @@ def setup_roles(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA, *,
     """Create (when missing) the ``worker`` and ``reader`` roles and give them their rights
     on ``schema`` (see ``setup_roles`` in sql/migrations/0010_roles.sql)."""
     with conn.transaction():
-        conn.execute(sql.SQL("select {}.setup_roles(%s, %s)").format(sql.Identifier(schema)),
+        conn.execute(sql.SQL("select {}.setup_roles(%s, %s)").format(schema_identifier(schema)),
                      (worker, reader))
 
 
@@ -154,7 +154,7 @@ def installed_versions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHE
     if not exists or not exists[0]:
         return []
     query = sql.SQL("select version from {}.schema_migrations order by version").format(
-        sql.Identifier(schema))
+        schema_identifier(schema))
     return [row[0] for row in conn.execute(query)]
 
 

@@ -36,6 +36,7 @@ from .db import (
     UNPREPARED,
     check_schema_name,
     connect_params,
+    schema_identifier,
     set_up_session,
     translated_errors,
 )
@@ -108,7 +109,7 @@ def snapshot(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA,
 
     All reads run in one read-only transaction, so the panels agree with each other.
     """
-    ident = sql.Identifier(check_schema_name(schema))
+    ident = schema_identifier(check_schema_name(schema))
     rows: dict[str, list[dict[str, Any]]] = {}
     with translated_errors(), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         cur.execute("set transaction isolation level repeatable read, read only")

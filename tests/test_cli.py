@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from flowly.schema import migrations
-from tests.support import wait_for
+from tests.support import READER, WORKER, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE = "postgresql://root@127.0.0.1:1/x"
@@ -131,6 +131,44 @@ def test_install_into_a_schema_with_quotes_and_spaces(empty_dsn: str) -> None:
     assert row == ("order",)
     listed = json.loads(ok(flowly("runs", "--schema", schema, "--json", dsn=empty_dsn)))
     assert [r["id"] for r in listed] == [run_id]
+
+
+# names PostgreSQL must quote: a space (README's own example), upper case, a semicolon, and
+# a percent sign, which psycopg would read as a placeholder in a query that has parameters
+QUOTED_SCHEMAS = ["my app", "Upper", "a;b", "100%"]
+
+
+@pytest.mark.parametrize("schema", QUOTED_SCHEMAS)
+def test_every_command_works_in_a_schema_whose_name_needs_quotes(
+        empty_dsn: str, schema: str) -> None:
+    """README: flowly in another schema works the same through its name, quoted when it needs
+    quotes. ``install --roles``, ``start``, ``runs``, ``cancel`` and ``purge`` from the
+    command line and ``purge`` from SQL all work there (they failed with "invalid name
+    syntax", or acted on the lower-cased name, or read a ``%`` as a placeholder)."""
+    worker, reader = f"{WORKER}_q", f"{READER}_q"
+    try:
+        ok(flowly("--schema", schema, "install", "--roles", "--worker-role", worker,
+                  "--reader-role", reader, dsn=empty_dsn))
+        run_id = ok(flowly("--schema", schema, "start", "order", dsn=empty_dsn)).strip()
+        assert run_id in ok(flowly("--schema", schema, "runs", dsn=empty_dsn))
+        ok(flowly("--schema", schema, "cancel", run_id, dsn=empty_dsn))
+        assert "purged 1 run(s)" in ok(flowly("--schema", schema, "purge", "--older-than", "0s",
+                                              dsn=empty_dsn))
+        assert run_id not in ok(flowly("--schema", schema, "runs", dsn=empty_dsn))
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            assert conn.execute(sql.SQL("select {}.purge('1 day')").format(
+                sql.Identifier(schema))).fetchone() == (0,)
+            assert conn.execute(
+                "select has_function_privilege(%s, p.oid, 'execute') from pg_proc p"
+                " join pg_namespace n on n.oid = p.pronamespace"
+                " where n.nspname = %s and p.proname = 'start'", (worker, schema)
+            ).fetchone() == (True,)
+    finally:
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            for role in (worker, reader):
+                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
+                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
+                        r=sql.Identifier(role)))
 
 
 def test_schema_name_with_sql_in_it_is_only_a_name(empty_dsn: str) -> None:

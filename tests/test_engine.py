@@ -322,6 +322,24 @@ def test_worker_functions_refuse_arguments_that_would_unprotect_a_run(
     assert scalar(db, "select status from flowly.runs") == "pending"
 
 
+@pytest.mark.parametrize(("call", "named"), [
+    ("flowly.register_worker('w', null, array['default'], '1 minute')", "workflows"),
+    ("flowly.register_worker('w', array['quick'], null, '1 minute')", "queues"),
+    ("flowly.offer_slot(null, array['quick'], array['default'], '1 minute', 'c')", "worker"),
+    ("flowly.offer_slot('w', null, array['default'], '1 minute', 'c')", "workflows"),
+    ("flowly.offer_slot('w', array['quick'], null, '1 minute', 'c')", "queues"),
+    ("flowly.claim_and_offer('w', array['quick'], null, 1, '1 minute', 'c')", "queues"),
+])
+def test_worker_functions_name_a_null_argument(
+    db: psycopg.Connection[Any], call: str, named: str
+) -> None:
+    """A NULL worker, workflow list or queue list is an invalid argument that names itself
+    (WF003), not the raw not-null violation of the row it would have written (23502)."""
+    with pytest.raises(psycopg.Error, match=f"^{named} must not be null") as refused:
+        db.execute(f"select * from {call}")
+    assert refused.value.sqlstate == "WF003"
+
+
 @pytest.mark.parametrize("call", [
     "flowly.checkpoint('r1', null, 's', '1')",
     "flowly.complete('r1', null, '1')",

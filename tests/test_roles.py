@@ -3,17 +3,24 @@ role for dashboards (``flowly install --roles``)."""
 
 from __future__ import annotations
 
+import re
+import threading
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import flowly
-from flowly.schema import install_dsn
+from flowly.db import Calls
+from flowly.schedules import ScheduleCalls
+from flowly.schema import install, install_dsn, setup_roles
+from tests import workflows  # noqa: F401 (registers the workflows workers run)
 from tests.support import READER, WORKER, running_worker
+from tests.test_cli import QUOTED_SCHEMAS, ok
 from tests.test_cli import flowly as flowly_cli
-from tests.test_cli import ok
 
 
 def test_the_worker_role_runs_workflows_through_functions_only(
@@ -105,3 +112,126 @@ def test_install_roles_from_the_command_line(dsn: str, db: psycopg.Connection[An
         for role in (WORKER, READER):
             db.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
             db.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+# README, "SQL functions and errors": what users, triggers and workers call by hand
+DOCUMENTED_FUNCTIONS = {
+    "start", "cancel", "retry_dead_letter", "send_event", "purge", "schedule", "unschedule",
+    "pause_schedule", "resume_schedule", "cron_next", "trigger_run_id", "tick_schedules",
+    "claim", "replay", "heartbeat", "checkpoint_steps", "checkpoint", "complete_runs",
+    "complete", "sleep", "wait_for_event", "wait_for_run", "park", "fail_step", "fail_run",
+    "record_compensation", "finish_compensation", "release", "begin_transaction_step",
+    "checkpoint_transaction"}
+# trigger_run_id runs with its caller's rights (see Least privilege), so the caller calls these
+CALLED_BY_TRIGGER_RUN_ID = {"key_run_id", "trigger_key_columns"}
+
+
+def functions_flowly_calls() -> set[str]:
+    """The names of the functions flowly's own statements call (db.Calls, ScheduleCalls)."""
+    statements = [*vars(Calls("flowly")).values(), *vars(ScheduleCalls("flowly")).values()]
+    return {name for statement in statements if isinstance(statement, sql.Composable)
+            for name in re.findall(r'"flowly"\.(\w+)\(', statement.as_string(None))}
+
+
+def test_the_worker_role_may_call_what_flowly_and_its_users_call_and_nothing_else(
+        roles: tuple[str, str], db: psycopg.Connection[Any]) -> None:
+    """The worker role may execute every function a worker or client calls and those the
+    README documents; internal helpers that trust their caller (insert_run,
+    release_held_run, ...) stay the owner's, called only from inside flowly's functions."""
+    called = functions_flowly_calls()
+    assert {"start", "claim_and_offer", "offer_slot", "tick_schedules"} <= called
+    executable = {name for (name,) in db.execute(
+        "select distinct p.proname from pg_proc p where p.pronamespace = 'flowly'::regnamespace"
+        " and has_function_privilege(%s, p.oid, 'execute')", (WORKER,))}
+    assert executable == called | DOCUMENTED_FUNCTIONS | CALLED_BY_TRIGGER_RUN_ID
+    assert not {name for (name,) in db.execute(
+        "select distinct p.proname from pg_proc p where p.pronamespace = 'flowly'::regnamespace"
+        " and has_function_privilege('public', p.oid, 'execute')")}
+
+
+def test_the_worker_role_cannot_write_runs_past_the_checks_through_internal_helpers(
+        roles: tuple[str, str], db: psycopg.Connection[Any]) -> None:
+    """insert_run and release_held_run check nothing (start and the fenced calls do): a run
+    due at 'infinity', or a finished run released to '-infinity', made every listing fail
+    with "timestamp too large". The worker role may call neither; the listings still work."""
+    worker_dsn, _ = roles
+    db.execute("select flowly.start('quick', run_id => 'ok1')")
+    db.execute("select flowly.cancel('ok1')")
+    with psycopg.connect(worker_dsn, autocommit=True) as conn:
+        for statement in (
+                "select flowly.insert_run('w1', 'quick', 'default', '{}', 0, 'infinity', null,"
+                " 3, null, null)",
+                "select flowly.release_held_run('ok1', '-infinity')",
+                "select flowly.release_for_retry('ok1', '-infinity')"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+    assert "ok1" in ok(flowly_cli("runs", dsn=worker_dsn))
+    assert "cancelled" in ok(flowly_cli("show", "ok1", dsn=worker_dsn))
+
+
+def test_role_setups_at_once_all_succeed(empty_dsn: str) -> None:
+    """README, Install and upgrade: installers running at once each succeed. Four
+    ``install --roles`` released together at their role setup: the roles were created by
+    one and the others failed with a duplicate key on pg_authid (or a grant's "tuple
+    concurrently updated"). Now each succeeds, and the roles get their rights once."""
+    worker, reader = f"{WORKER}_c", f"{READER}_c"
+    count = 4
+    barrier = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def installer() -> None:
+        try:
+            with psycopg.connect(empty_dsn, autocommit=True) as conn:
+                install(conn)
+                barrier.wait(timeout=30)
+                setup_roles(conn, worker=worker, reader=reader)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=installer) for _ in range(count)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        if any(isinstance(e, psycopg.errors.InsufficientPrivilege) for e in errors):
+            pytest.skip("the test database's user may not create roles")
+        assert not errors, errors
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            assert conn.execute("select has_function_privilege(%s, 'flowly.cancel(text)',"
+                                " 'execute')", (worker,)).fetchone() == (True,)
+    finally:
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            for role in (worker, reader):
+                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
+                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
+                        r=sql.Identifier(role)))
+
+
+@pytest.mark.parametrize("schema", QUOTED_SCHEMAS)
+def test_the_worker_role_runs_workflows_in_a_schema_whose_name_needs_quotes(
+        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker and a client logged in with the worker role serve and start runs in a schema
+    whose name needs quotes (a ``%`` in it too), calling only what the role may call."""
+    worker, reader = f"{WORKER}_s", f"{READER}_s"
+    login = f"{worker}_login"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        install(conn, schema)
+        try:
+            setup_roles(conn, schema, worker=worker, reader=reader)
+            conn.execute(sql.SQL("create role {l} login in role {w};"
+                                 " grant insert, select on public.test_effects to {l}").format(
+                l=sql.Identifier(login), w=sql.Identifier(worker)))
+            worker_dsn = make_conninfo(dsn, user=login)
+            monkeypatch.setenv("FLOWLY_DSN", worker_dsn)  # the steps' own connections
+            with flowly.Client(worker_dsn, schema=schema) as client, \
+                    running_worker(worker_dsn, schema=schema):
+                runs = [client.start("three_steps", {}), client.start("sleepy", {"seconds": 0.1})]
+                assert [client.wait(r, timeout=30).status for r in runs] == ["completed"] * 2
+                assert {run.id for run in client.list_runs(limit=10)} == set(runs)
+                assert client.purge(timedelta(0)) == 2
+        finally:
+            for role in (login, worker, reader):
+                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
+                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
+                        r=sql.Identifier(role)))

@@ -287,6 +287,22 @@ def test_python_install_into_a_schema_with_quotes(empty_dsn: str) -> None:
         assert channel == (f"{schema}_wakeup",)
 
 
+def test_a_schema_name_with_percent_signs_quotes_and_a_backslash_serves_clients(
+        empty_dsn: str) -> None:
+    """psycopg reads a ``%`` in a query with parameters as a placeholder, inside quotes too:
+    with a name holding one every client call failed ("only '%s', '%b', '%t' are allowed as
+    placeholders"). The name reaches the server intact, next to a quote and a backslash."""
+    schema = '5% "off\\ 100%s'
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        install(conn, schema)
+        assert installed_versions(conn, schema) == [m.version for m in migrations()]
+    with flowly.Client(empty_dsn, schema=schema) as client:
+        run_id = client.start("quick", {"n": 1})
+        assert [run.id for run in client.list_runs()] == [run_id]
+        assert client.get(run_id).input == {"n": 1}
+        assert client.cancel(run_id) == "cancelled"
+
+
 INJECTION = 'x"; drop table y; --'
 
 
