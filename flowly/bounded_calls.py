@@ -130,7 +130,11 @@ class _Watchdog:
             with self._wake:
                 due = self._due()
                 if due is None:
-                    pause = self._heap[0][0] - time.monotonic() if self._heap else None
+                    # a lock's wait takes at most TIMEOUT_MAX (about 292 years); a deadline
+                    # may lie further ahead (a Client.wait of 1e300 s), and is waited for in
+                    # turns (a longer wait killed this thread, and no call was cut off after)
+                    pause = (min(self._heap[0][0] - time.monotonic(), threading.TIMEOUT_MAX)
+                             if self._heap else None)
                     self._wake.wait(pause)
                     continue
             try:

@@ -7,7 +7,8 @@ an unreachable database, a schema name Postgres cannot use) end with one ``error
 stderr and a non-zero status, never a traceback: 2 for a bad invocation, 1 for an operation
 that failed. ``--json`` switches the commands that report (all but ``worker`` and ``demo``) to
 machine-readable output on stdout, and every error to one JSON object on stderr
-(``{"error": "...", "exit_code": N}``). Run ids may be given by a unique prefix.
+(``{"error": "...", "exit_code": N}``). Output whose reader is gone (``flowly runs | head -1``)
+ends quietly with status 1. Run ids may be given by a unique prefix.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from . import __version__, deep_json
-from .arguments import STATUSES, seconds
+from .arguments import STATUSES, statement_seconds
 from .client import Client, Run
 from .client import parse_since as client_parse_since
 from .config import configured_dsn, resolve_dsn
@@ -78,7 +79,7 @@ class CliError(Exception):
 
 def _client(args: argparse.Namespace) -> Client:
     # named as the option, a bad value exits as a bad invocation (InvalidArgument, see _run)
-    timeout = seconds("--db-timeout", args.db_timeout)
+    timeout = statement_seconds("--db-timeout", args.db_timeout)
     return Client(args.dsn, schema=args.schema, timeout=timeout)
 
 
@@ -839,13 +840,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CliError("flowly: a COMMAND is required", EXIT_USAGE)
             parser.print_help(sys.stderr)
             return EXIT_USAGE
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()  # here, where a reader gone is caught (see _reader_gone)
+        return code
     except CliError as exc:
         _print_error(one_line(str(exc)), exc.code, json_errors)
         return exc.code
     except KeyboardInterrupt:
         _print_error("interrupted", 130, json_errors)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """End quietly when whatever read the output stopped reading (``flowly runs | head -1``),
+    as Unix tools do: it has what it wanted. What is still buffered for stdout goes to
+    devnull, or Python's last flush at exit would fail again, with a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_FAILED
 
 
 def _print_error(message: str, code: int, as_json: bool) -> None:

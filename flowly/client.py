@@ -170,7 +170,9 @@ def _schedule_name(name: Any) -> tuple[str]:
 
 
 def _cron_next_args(cron: Any, after: datetime | None, timezone: Any) -> tuple[Any, ...]:
-    return arguments.text("cron", cron), after, arguments.text("timezone", timezone)
+    return (arguments.text("cron", cron),
+            None if after is None else arguments.aware_time("after", after),
+            arguments.text("timezone", timezone))
 
 
 # statuses no engine call moves a run out of (retry_dead_letter moves a dead_letter run on)
@@ -395,7 +397,7 @@ class Client:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = arguments.seconds("timeout", timeout)
+        self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
         self._bounded: psycopg.Connection[Any] | None = None
@@ -746,7 +748,7 @@ class AsyncClient:
             dsn = resolve_dsn()
         self.dsn = dsn
         self.calls = Calls(schema)
-        self.timeout = arguments.seconds("timeout", timeout)
+        self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._bounded: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None

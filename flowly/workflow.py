@@ -160,7 +160,7 @@ def start_params(
                                          options.get("concurrency_key")),
         "max_attempts": int4(f"max_attempts of a {workflow!r} run", _option(
             options, "max_attempts", defaults.max_attempts if defaults else 3)),
-        "timeout": _interval(workflow, "timeout", options.get("timeout")),
+        "timeout": _interval(workflow, "timeout", options.get("timeout"), positive=True),
         "parent_run_id": None,
         "parent_lease_epoch": None,
         "parent_step": None,
@@ -186,6 +186,9 @@ def _when(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _interval(workflow: str, name: str, value: Any) -> timedelta | None:
-    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999)."""
-    return None if value is None else time_ahead(f"{name} of a {workflow!r} run", value)
+def _interval(workflow: str, name: str, value: Any, *, positive: bool = False
+              ) -> timedelta | None:
+    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999),
+    and if ``positive`` (a timeout), more than zero."""
+    return None if value is None else time_ahead(f"{name} of a {workflow!r} run", value,
+                                                 positive=positive)

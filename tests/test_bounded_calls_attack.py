@@ -288,3 +288,31 @@ def test_a_call_given_up_on_that_fails_as_it_ends_is_not_logged_as_never_retriev
     asyncio.run(give_up())
     gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+def test_a_wait_with_a_timeout_far_in_the_future_leaves_the_watchdog_working(
+        dsn: str, client: flowly.Client) -> None:
+    """client.wait(run_id, timeout=1e300) killed the one watchdog thread of the process
+    ("OverflowError: timestamp out of range for platform time_t" as it went to sleep until
+    the deadline) while the wait went on: no call of the process was cut off any more."""
+    run_id = client.start("quick", 0)
+
+    def cancel_run() -> None:
+        with flowly.Client(dsn) as canceller:
+            canceller.cancel(run_id)
+
+    cancel = threading.Timer(0.5, cancel_run)
+    cancel.start()
+    with pytest.raises(flowly.InvalidState, match="ended cancelled"):
+        client.wait(run_id, "completed", timeout=1e300)
+    cancel.join()
+    assert [t for t in threading.enumerate() if t.name == "flowly-cutoff" and t.is_alive()]
+    with freezable_proxy(dsn) as proxy, flowly.Client(proxy.dsn, timeout=0.5) as bounded:
+        bounded.start("quick", 0)
+        proxy.freeze()
+        began = time.monotonic()
+        with pytest.raises(flowly.DatabaseTimeout):
+            bounded.start("quick", 0)
+        took = time.monotonic() - began
+        proxy.thaw()
+    assert took < 5, took

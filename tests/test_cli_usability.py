@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from tests.support import ROOT
-from tests.test_cli import UNREACHABLE, flowly, ok, one_error_line
+from tests.test_cli import UNREACHABLE, _env, flowly, ok, one_error_line
 
 
 def _app_dir(tmp_path: Path, source: str) -> dict[str, str]:
@@ -157,3 +158,28 @@ def test_runs_since_age_forms(dsn: str, db: psycopg.Connection[Any]) -> None:
                (timedelta(hours=3),))
     listed = ok(flowly("runs", "--since", "2h", dsn=dsn))
     assert "recent" in listed and "older" not in listed
+
+
+@pytest.mark.parametrize("timeout", ["3000000", "1e10"])
+def test_a_db_timeout_the_server_cannot_take_is_a_bad_invocation(dsn: str, timeout: str) -> None:
+    """It printed a raw database error (statement_timeout takes at most 2147483647 ms), and
+    at 1e10 also a traceback of the watchdog thread."""
+    error = one_error_line(flowly("--db-timeout", timeout, "runs", dsn=dsn), 2)
+    assert "--db-timeout must be at most 2147483 seconds" in error, error
+
+
+@pytest.mark.parametrize("command", [["runs", "--limit", "5000"], ["--json", "runs"],
+                                     ["dead-letters"]])
+def test_output_into_a_closed_pipe_ends_quietly(dsn: str, db: psycopg.Connection[Any],
+                                                command: list[str]) -> None:
+    """``flowly runs | head -1`` printed a BrokenPipeError traceback once head had exited."""
+    for n in range(3):
+        _dead_letter(db, f"r{n}", "boom")
+    reader = subprocess.Popen([sys.executable, "-m", "flowly", "--dsn", dsn, *command],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert reader.stdout is not None
+    reader.stdout.close()  # as head does once it has its line
+    _, errors = reader.communicate(timeout=60)
+    assert errors == ""
+    assert reader.returncode == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from datetime import date, datetime
 from typing import Any
 
 import psycopg
@@ -64,6 +65,39 @@ CASES: list[tuple[str, Callable[[Any, str], Any], str]] = [
     ("pause_schedule NUL", lambda c, r: c.pause_schedule("s\x00"),
      "schedule name must not contain the NUL"),
     ("cron_next int", lambda c, r: c.cron_next(5), "cron must be a string"),
+    # numbers too large for a float raised OverflowError; a delay reaching back before the
+    # year 1 was said to end after the year 10000
+    ("start delay 10**400", lambda c, r: c.start("wf", delay=10**400),
+     "delay of a 'wf' run is out of range: about 10\\*\\*400 seconds"),
+    ("start timeout 10**400", lambda c, r: c.start("wf", timeout=10**400),
+     "timeout of a 'wf' run is out of range"),
+    ("start delay -1e11", lambda c, r: c.start("wf", delay=-1e11),
+     "delay of a 'wf' run must not reach back before the year 1, got -1e"),
+    ("start timeout -1e11", lambda c, r: c.start("wf", timeout=-1e11),
+     "timeout of a 'wf' run must be positive, got -1e"),
+    ("list_runs limit 10**5000", lambda c, r: c.list_runs(limit=10**5000),
+     "limit is out of range: about 10\\*\\*5000"),
+    # psycopg's CannotCoerce and InvalidDatetimeFormat; a naive time was read in the
+    # session's time zone
+    ("cron_next after int", lambda c, r: c.cron_next("* * * * *", after=123),
+     "after must be a datetime, got int 123"),
+    ("cron_next after text", lambda c, r: c.cron_next("* * * * *", after="garbage"),
+     "after must be a datetime, got str 'garbage'"),
+    ("cron_next after naive", lambda c, r: c.cron_next("0 9 * * *", after=datetime(2026, 1, 1)),
+     "after must be timezone-aware"),
+    ("cron_next after date", lambda c, r: c.cron_next("0 9 * * *", after=date(2026, 1, 1)),
+     "after must be a datetime, got date"),
+    # UnicodeEncodeError: text that cannot be sent as UTF-8
+    *((f"{label} surrogate", call, f"{what} must not contain an unpaired surrogate")
+      for label, call, what in [
+          ("send_event name", lambda c, r: c.send_event(r, "\ud800"), "event name"),
+          ("send_event run_id", lambda c, r: c.send_event("\ud800", "x"), "run_id"),
+          ("cancel", lambda c, r: c.cancel("\ud800"), "run_id"),
+          ("get", lambda c, r: c.get("\ud800"), "run_id"),
+          ("retry_dead_letter", lambda c, r: c.retry_dead_letter("\ud800"), "run_id"),
+          ("start run_id", lambda c, r: c.start("wf", run_id="\ud800"),
+           "run_id of a 'wf' run"),
+      ]),
 ]
 
 
@@ -111,3 +145,23 @@ def test_good_arguments_of_the_same_calls_still_work(dsn: str) -> None:
         assert client.wait(run_id, status=("pending", "running"), timeout=1).id == run_id
         assert client.purge(0, statuses="completed") == 0
         assert client.is_served("wf") is False
+
+
+@pytest.mark.parametrize("make", [flowly.Client, flowly.AsyncClient])
+@pytest.mark.parametrize(("timeout", "shown"), [
+    (10**400, "about 10\\*\\*400"), (3e6, "3000000"), (2_147_483.5, "2147483.5")],
+    ids=["10**400", "3e6", "just over"])
+def test_a_client_timeout_the_server_cannot_take_is_refused_as_the_client_is_made(
+    dsn: str, make: Callable[..., Any], timeout: float, shown: str
+) -> None:
+    """Client(timeout=10**400) raised OverflowError; Client(timeout=3e6) was taken, and every
+    call then failed with psycopg's InvalidParameterValue: the server's statement_timeout
+    takes at most 2147483647 ms."""
+    with pytest.raises(flowly.InvalidArgument,
+                       match=f"timeout must be at most 2147483 seconds .*got {shown}"):
+        make(dsn, timeout=timeout)
+
+
+def test_the_longest_client_timeout_the_server_takes_works(dsn: str) -> None:
+    with flowly.Client(dsn, timeout=2_147_483) as client:
+        assert client.list_runs() == []

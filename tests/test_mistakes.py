@@ -68,6 +68,11 @@ _ODD_CALLS: dict[str, Any] = {
     "sleep_until naive": lambda ctx: ctx.sleep_until("n", datetime(2030, 1, 1)),
     "sleep_until text": lambda ctx: ctx.sleep_until("n", "2030-01-01"),
     "wait_for_run int": lambda ctx: ctx.wait_for_run(5),
+    # OverflowError, retried until dead_letter
+    "sleep 10**400": lambda ctx: ctx.sleep("nap", 10**400),
+    "event timeout 10**400": lambda ctx: ctx.wait_for_event("ev", timeout=10**400),
+    # a WorkflowCodeError about a "step or sleep name 'event:\ud800'"
+    "event name surrogate": lambda ctx: ctx.wait_for_event("\ud800"),
 }
 
 
@@ -104,6 +109,9 @@ async def odd_call(ctx: flowly.Context, inp: str) -> Any:
     ("sleep_until naive", "sleep_until 'n': 'when' must be timezone-aware"),
     ("sleep_until text", "sleep_until 'n': 'when' must be a datetime, got str"),
     ("wait_for_run int", "the run_id waited for must be a string, got int"),
+    ("sleep 10**400", "sleep 'nap' is out of range: about 10\\*\\*400 seconds"),
+    ("event timeout 10**400", "timeout of wait for event 'ev' is out of range"),
+    ("event name surrogate", "event name must not contain an unpaired surrogate"),
 ])
 def test_a_value_every_attempt_would_pass_again_fails_the_run_at_once_naming_it(
     dsn: str, client: flowly.Client, case: str, message: str
@@ -157,3 +165,28 @@ def test_a_bad_retry_policy_is_refused_where_it_is_written(options: dict[str, An
                                                            message: str) -> None:
     with pytest.raises(flowly.InvalidArgument, match=message):
         flowly.Retry(**options)
+
+
+@flowly.workflow("sleeps_into_the_past")
+async def sleeps_into_the_past(ctx: flowly.Context, inp: Any) -> str:
+    await ctx.sleep("long ago", -1e11)
+    await ctx.sleep("before any float", -10**400)
+    await ctx.sleep("the least timedelta", timedelta.min)
+    try:
+        await ctx.wait_for_event("never sent", timeout=-1e11)
+    except flowly.EventTimeout:
+        return "woke at once"
+    return "received"
+
+
+def test_a_sleep_or_an_event_timeout_of_any_negative_size_is_due_at_once(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A sleep of -1e11 s (or timedelta.min, or an event timeout of -1e11 s) failed the run
+    as "must end before the year 10000", and one of -10**400 s was retried until dead_letter
+    with OverflowError; the README says a sleep of zero or fewer seconds is due at once."""
+    run_id = client.start("sleeps_into_the_past")
+    with running_worker(dsn, workflows=["sleeps_into_the_past"]):
+        run = client.wait(run_id, timeout=30)
+    assert (run.status, run.output, run.attempt) == ("completed", "woke at once", 1), run.error
+    assert scalar(db, "select count(*) from flowly.timers where run_id = %s", run_id) == 3
