@@ -28,11 +28,14 @@
 -- order. retry_dead_letter: the run, for update; then its ancestors up to the nearest
 -- cancelled one, key share, in id order. A start by hand: the parent (no key update) and
 -- its ancestors up to the nearest cancelled one (key share), in one pass in id order; then
--- as in 0065 (an offered slot, skip locked, and the run's row). Runs a cancel and either of
--- the others both lock they lock in id order; the retried run, locked first, is a dead
--- letter, which a cancel locks only when it is the run cancelled, and then the retry of it
--- wants nothing the cancel holds. Key share conflicts with no worker's write (no key update),
--- so no worker call waits for these locks.
+-- as in 0065 (an offered slot, skip locked, and the run's row). A run that a cancel and one
+-- of the others both lock, each takes in id order, so neither holds one the other took
+-- first while it waits (the parent is no exception: taken before its ancestors, it would be
+-- held by a start waiting for an ancestor that a cancel holds, which waits for the parent).
+-- The retried run, locked first, is a dead letter: a cancel locks it only when it is the run
+-- cancelled, and the retry then wants nothing else the cancel holds. Key share conflicts
+-- with no write of a worker (no key update) and a claim skips what is locked, so no worker
+-- call waits for these locks.
 
 -- The ancestors of run p_run_id (the run that started it, that run's starter, ...), nearest
 -- first, up to and with the nearest cancelled one: what a retry of the run, or a start of a
