@@ -446,6 +446,12 @@ select not exists (select from schema_migrations where version = 69) as apply_mi
     insert into schema_migrations (version, name) values (69, '0069_runs_due_later_announced_with_their_time');
 \endif
 
+select not exists (select from schema_migrations where version = 71) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0071_cancelled_families_stay_cancelled.sql
+    insert into schema_migrations (version, name) values (71, '0071_cancelled_families_stay_cancelled');
+\endif
+
 select not exists (select from schema_migrations where version = 72) as apply_migration \gset
 \if :apply_migration
     \ir migrations/0072_schemas_by_name_and_narrow_grants.sql
