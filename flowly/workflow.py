@@ -6,12 +6,11 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from types import FunctionType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .arguments import at_least, aware_time, int4, optional_text, text, time_ahead
-from .db import dumps_argument
+from .db import dumps_argument, seconds_interval
 from .errors import InvalidArgument, UnknownWorkflow
 
 if TYPE_CHECKING:
@@ -186,6 +185,9 @@ def _when(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _interval(workflow: str, name: str, value: Any) -> timedelta | None:
-    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999)."""
-    return None if value is None else time_ahead(f"{name} of a {workflow!r} run", value)
+def _interval(workflow: str, name: str, value: Any) -> str | None:
+    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999),
+    as an interval of seconds alone: days in it would be calendar days of the session's
+    TimeZone (see seconds_interval)."""
+    return None if value is None else seconds_interval(
+        time_ahead(f"{name} of a {workflow!r} run", value))
