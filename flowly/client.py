@@ -32,6 +32,7 @@ from .db import (
     connect_params,
     dumps_argument,
     listen_to,
+    purge_age_interval,
     seconds_interval,
     set_up_session,
     set_up_session_async,
@@ -156,7 +157,7 @@ def _event_args(run_id: Any, name: Any, payload: Any) -> tuple[str, str, str]:
 
 
 def _purge_args(older_than: Any, statuses: Any, batch: Any) -> tuple[str, list[str], int]:
-    return (seconds_interval(arguments.age("older_than", older_than)),
+    return (purge_age_interval(arguments.age("older_than", older_than)),
             list(arguments.statuses("statuses", statuses, TERMINAL) or ()),
             arguments.int4("batch", batch))
 

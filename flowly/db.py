@@ -308,6 +308,19 @@ def seconds_interval(duration: timedelta | float) -> str:
     return f"{sign}{hours}:{minutes:02d}:{seconds:02d}.{micro:06d}"
 
 
+# older than any run: a run's times lie between the years 1 and 10000
+_OLDER_THAN_ANY_RUN = timedelta(days=3_660_000)
+
+
+def purge_age_interval(age: timedelta | float) -> str:
+    """``purge``'s ``older_than`` (zero or more) as :func:`seconds_interval` gives it, an age
+    past ten thousand years as ten thousand years: both are older than any run, and an
+    interval of seconds holds no more than 290,000 years (a timedelta up to 2.7 million)."""
+    if not isinstance(age, timedelta):
+        age = timedelta(seconds=age)
+    return seconds_interval(min(age, _OLDER_THAN_ANY_RUN))
+
+
 CLAIMED_INPUT_BYTES = 64 * 1024
 CHILD_LOCK_WAIT = "50ms"
 

@@ -54,6 +54,7 @@ from ..db import (
     is_connection_failure,
     is_contention,
     listen_to,
+    purge_age_interval,
     seconds_interval,
     translated_errors,
 )
@@ -519,7 +520,7 @@ class Worker:
             if self.purge_after is not None:
                 background.append(asyncio.create_task(self._periodically(
                     _PURGE_EVERY, "purging finished runs",
-                    partial(self._purge, seconds_interval(self.purge_after))),
+                    partial(self._purge, purge_age_interval(self.purge_after))),
                     name="flowly-purge"))
             # at least every _SCHEDULE_TICK_MAX, well within the minute after which a fire
             # time counts as missed, whatever the poll interval
