@@ -32,7 +32,9 @@ from .db import (
     connect_params,
     dumps_argument,
     listen_to,
+    purge_age_interval,
     schema_identifier,
+    seconds_interval,
     set_up_session,
     set_up_session_async,
     still_open,
@@ -155,8 +157,8 @@ def _event_args(run_id: Any, name: Any, payload: Any) -> tuple[str, str, str]:
             dumps_argument(payload, "event payload"))
 
 
-def _purge_args(older_than: Any, statuses: Any, batch: Any) -> tuple[timedelta, list[str], int]:
-    return (arguments.age("older_than", older_than),
+def _purge_args(older_than: Any, statuses: Any, batch: Any) -> tuple[str, list[str], int]:
+    return (purge_age_interval(arguments.age("older_than", older_than)),
             list(arguments.statuses("statuses", statuses, TERMINAL) or ()),
             arguments.int4("batch", batch))
 
@@ -365,10 +367,12 @@ def list_runs_query(
         params["workflow"] = arguments.text("workflow", workflow)
     if since is not None:
         point = parse_since(since)
-        params["since"] = point
-        conditions.append(sql.SQL(  # an age counts on the database's clock, like delay=
-            "created_at >= now() - %(since)s::interval" if isinstance(point, timedelta)
-            else "created_at >= %(since)s::timestamptz"))
+        if isinstance(point, timedelta):  # an age counts on the database's clock, like delay=
+            params["since"] = seconds_interval(point)
+            conditions.append(sql.SQL("created_at >= now() - %(since)s::interval"))
+        else:
+            params["since"] = point
+            conditions.append(sql.SQL("created_at >= %(since)s::timestamptz"))
     where = sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL("")
     query = sql.SQL("select {} from {}.runs{} order by created_at desc, id limit %(limit)s").format(
         sql.SQL("*") if data else _RUN_WITHOUT_DATA, schema_identifier(check_schema_name(schema)),

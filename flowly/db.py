@@ -13,6 +13,7 @@ import re
 import select
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial
 from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any
@@ -301,6 +302,36 @@ def schema_statement(schema: str, text: str, **literals: Any) -> sql.SQL:
     value as a literal, rendered once."""
     return rendered(sql.SQL(text).format(
         s=schema_identifier(schema), **{name: sql.Literal(v) for name, v in literals.items()}))
+
+
+def seconds_interval(duration: timedelta | float) -> str:
+    """``duration`` (a timedelta, or seconds) as interval text in hours, minutes and seconds
+    alone, exact to the microsecond, which ``timestamptz + interval`` adds as that many
+    seconds whatever the session's TimeZone. psycopg sends a timedelta's whole days as the
+    interval's day field, and PostgreSQL adds days as calendar days in the session's TimeZone:
+    a day given as 86,400 s lasted 23 or 25 hours across a change of daylight saving time.
+    PostgreSQL reads this text alike under every IntervalStyle."""
+    if not isinstance(duration, timedelta):
+        duration = timedelta(seconds=duration)
+    micro = duration // timedelta(microseconds=1)
+    sign = "-" if micro < 0 else ""
+    seconds, micro = divmod(abs(micro), 1_000_000)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{sign}{hours}:{minutes:02d}:{seconds:02d}.{micro:06d}"
+
+
+# older than any run: a run's times lie between the years 1 and 10000
+_OLDER_THAN_ANY_RUN = timedelta(days=3_660_000)
+
+
+def purge_age_interval(age: timedelta | float) -> str:
+    """``purge``'s ``older_than`` (zero or more) as :func:`seconds_interval` gives it, an age
+    past ten thousand years as ten thousand years: both are older than any run, and an
+    interval of seconds holds no more than 290,000 years (a timedelta up to 2.7 million)."""
+    if not isinstance(age, timedelta):
+        age = timedelta(seconds=age)
+    return seconds_interval(min(age, _OLDER_THAN_ANY_RUN))
 
 
 CLAIMED_INPUT_BYTES = 64 * 1024

@@ -6,12 +6,11 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from types import FunctionType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .arguments import at_least, aware_time, int4, optional_text, text, time_ahead
-from .db import dumps_argument
+from .db import dumps_argument, seconds_interval
 from .errors import InvalidArgument, UnknownWorkflow
 
 if TYPE_CHECKING:
@@ -186,9 +185,9 @@ def _when(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _interval(workflow: str, name: str, value: Any, *, positive: bool = False
-              ) -> timedelta | None:
-    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999),
-    and if ``positive`` (a timeout), more than zero."""
-    return None if value is None else time_ahead(f"{name} of a {workflow!r} run", value,
-                                                 positive=positive)
+def _interval(workflow: str, name: str, value: Any, *, positive: bool = False) -> str | None:
+    """``value``, seconds or a timedelta, if the run's times stay readable (years 1 to 9999)
+    and if ``positive`` (a timeout), more than zero, as an interval of seconds alone: days in
+    it would be calendar days of the session's TimeZone (see seconds_interval)."""
+    return None if value is None else seconds_interval(
+        time_ahead(f"{name} of a {workflow!r} run", value, positive=positive))

@@ -446,6 +446,12 @@ select not exists (select from schema_migrations where version = 69) as apply_mi
     insert into schema_migrations (version, name) values (69, '0069_runs_due_later_announced_with_their_time');
 \endif
 
+select not exists (select from schema_migrations where version = 70) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0070_timeouts_counted_in_utc.sql
+    insert into schema_migrations (version, name) values (70, '0070_timeouts_counted_in_utc');
+\endif
+
 select not exists (select from schema_migrations where version = 71) as apply_migration \gset
 \if :apply_migration
     \ir migrations/0071_cancelled_families_stay_cancelled.sql

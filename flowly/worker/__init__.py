@@ -49,7 +49,15 @@ from ..context import (
     run_write,
     serialise_output,
 )
-from ..db import Calls, is_connection_failure, is_contention, listen_to, translated_errors
+from ..db import (
+    Calls,
+    is_connection_failure,
+    is_contention,
+    listen_to,
+    purge_age_interval,
+    seconds_interval,
+    translated_errors,
+)
 from ..errors import InvalidArgument, LeaseLost, WorkflowCodeError
 from ..group_commit import GroupCommitter
 from ..render import one_line
@@ -305,6 +313,7 @@ class Worker:
         if self.lease > MAX_LEASE:
             raise InvalidArgument(f"lease must be at most {MAX_LEASE:g} seconds (a day),"
                                   f" got {self.lease:g}")
+        self._lease_interval = seconds_interval(self.lease)
         self.max_connections = arguments.at_least("max_connections", max_connections, 2)
         self.default_retry = default_retry or Retry()
         self.install_schema = install_schema
@@ -448,8 +457,7 @@ class Worker:
         mend (the server restarting since the first connection, the table locked by another
         release's migration) is waited for as the first connection is (first_connection);
         any other refusal (a role that may not register) ends the worker."""
-        params = (self.worker_id, list(self.workflows), self.queues,
-                  timedelta(seconds=self.lease))
+        params = (self.worker_id, list(self.workflows), self.queues, self._lease_interval)
         for delay in delays():
             try:
                 await self._call(self._calls.register_worker, params)
@@ -523,7 +531,7 @@ class Worker:
             if self.purge_after is not None:
                 background.append(asyncio.create_task(self._periodically(
                     _PURGE_EVERY, "purging finished runs",
-                    partial(self._purge, timedelta(seconds=self.purge_after))),
+                    partial(self._purge, purge_age_interval(self.purge_after))),
                     name="flowly-purge"))
             # at least every _SCHEDULE_TICK_MAX, well within the minute after which a fire
             # time counts as missed, whatever the poll interval
@@ -610,7 +618,7 @@ class Worker:
         offering = self._offering()
         await self._read_server_clock_if_due(offering)
         await self._call(self._calls.offer_slot, (
-            self.worker_id, list(self.workflows), self.queues, timedelta(seconds=self.lease),
+            self.worker_id, list(self.workflows), self.queues, self._lease_interval,
             self._handoff_channel if offering else None, free - 1))
 
     async def _claim(self, limit: int) -> int:
@@ -620,7 +628,7 @@ class Worker:
         rows = await self._call(
             self._calls.claim_and_offer,
             (self.worker_id, list(self.workflows), self.queues, limit,
-             timedelta(seconds=self.lease), self._handoff_channel if offering else None),
+             self._lease_interval, self._handoff_channel if offering else None),
         )
         for row in rows:
             self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
@@ -798,7 +806,7 @@ class Worker:
     async def _heartbeat_one(self, run_id: str, epoch: int, lease: float) -> list[Any]:
         """Extend one run's lease: no rows if it did; else whether it was lost or busy."""
         return await self._call(self._calls.heartbeat, (
-            self.worker_id, [run_id], [epoch], timedelta(seconds=lease)))
+            self.worker_id, [run_id], [epoch], seconds_interval(lease)))
 
     async def _give_back(self, run: ClaimedRun) -> None:
         try:
@@ -954,7 +962,7 @@ class Worker:
                 logger.warning("%s failed: %s", what, exc)
             await asyncio.sleep(every)
 
-    async def _purge(self, older_than: timedelta) -> None:
+    async def _purge(self, older_than: str) -> None:
         """Delete old finished runs, a batch at a time until none is left: each statement
         stays short, and a backlog (a worker finishes thousands of runs a second) is worked
         off in one round rather than a few batches a minute."""

@@ -15,13 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import psycopg
 
 from ..bounded_calls import Cutoff
-from ..db import Calls, still_open
+from ..db import Calls, seconds_interval, still_open
 from . import session
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class Heartbeat:
         rows = conn.execute(
             self._calls.heartbeat,
             (self._worker_id, [h[0] for h in held], [h[1] for h in held],
-             timedelta(seconds=self._lease)),
+             seconds_interval(self._lease)),
         ).fetchall()
         lost, kept = settle(held, rows)
         for token in lost:

@@ -128,7 +128,8 @@ exception
 end
 $$;
 
--- retry_dead_letter as in 0026, but not under a cancelled ancestor, however far up (above).
+-- retry_dead_letter as in 0070 (its timeout counted in UTC, ending before the year 10000),
+-- but not under a cancelled ancestor, however far up (above).
 create or replace function retry_dead_letter(run_id text) returns text
 language plpgsql
 set search_path from current
@@ -174,7 +175,10 @@ begin
     begin
         update runs r
         set status = 'pending', attempt = 1, error = null, output = null, compensation_ok = null,
-            finished_at = null, scheduled_for = now(), timeout_at = now() + r.timeout,
+            finished_at = null, scheduled_for = now(),
+            timeout_at = case when r.timeout is not null then
+                least((now() at time zone 'UTC' + r.timeout) at time zone 'UTC',
+                      readable_time_end() - interval '1 microsecond') end,
             generation = r.generation + 1, lease_epoch = r.lease_epoch + 1, takeovers = 0,
             locked_by = null, locked_until = null
         where r.id = v_run.id;
