@@ -102,7 +102,7 @@ def seconds(what: str, value: Any, *, zero: bool = False) -> float | None:
 def statement_seconds(what: str, value: Any) -> float | None:
     """A client's ``timeout``: :func:`seconds`, at most :data:`MAX_STATEMENT_SECONDS` (a
     longer one would fail every call of the client at the server)."""
-    if isinstance(value, (int, float)) and value > MAX_STATEMENT_SECONDS:
+    if isinstance(value, (int, float)) and MAX_STATEMENT_SECONDS < value < math.inf:
         raise InvalidArgument(f"{what} must be at most {MAX_STATEMENT_SECONDS} seconds (about"
                               " 24.8 days: the database's statement_timeout takes no more),"
                               f" got {_shown(value)}")
