@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
@@ -398,3 +399,29 @@ def lost_wakeups(db: psycopg.Connection[Any]) -> list[tuple[str, str]]:
     wake-up is lost if any is left."""
     db.execute("select flowly.wake_missed_waiters()")
     return [tuple(r) for r in db.execute(LOST_WAKEUPS).fetchall()]
+
+
+# the unfinished descendants of a run, written out here so that a check does not trust the
+# engine's own family query
+_UNFINISHED_DESCENDANTS = """
+with recursive d as (
+    select c.id, c.status from flowly.runs c where c.parent_run_id = %s
+    union
+    select c.id, c.status from flowly.runs c join d on c.parent_run_id = d.id
+)
+select id, status from d where status in ('pending', 'running', 'compensating') order by id
+"""
+
+
+def unfinished_descendants(db: psycopg.Connection[Any], run: str) -> list[tuple[str, str]]:
+    """The (id, status) of every unfinished run below ``run``, through finished ones too."""
+    return [(row[0], row[1]) for row in db.execute(_UNFINISHED_DESCENDANTS, (run,)).fetchall()]
+
+
+def drop_roles(dsn: str, *roles: str) -> None:
+    """Drop ``roles`` where they exist, with what they own."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for role in roles:
+            if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
+                conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
+                    r=sql.Identifier(role)))

@@ -23,26 +23,18 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.support import claim_as, in_thread, scalar, sqlstate_of, wait_for, waiting_on_lock
+from tests.support import (
+    claim_as,
+    in_thread,
+    scalar,
+    sqlstate_of,
+    unfinished_descendants,
+    wait_for,
+    waiting_on_lock,
+)
 
 LOST, NOT_FOUND, BUSY = "WF001", "WF002", "WF005"
 UNFINISHED = ("pending", "running", "compensating")
-
-# the unfinished descendants of a run, written out here so the check does not trust the
-# engine's own family query
-_UNFINISHED_DESCENDANTS = """
-with recursive d as (
-    select c.id, c.status from flowly.runs c where c.parent_run_id = %s
-    union
-    select c.id, c.status from flowly.runs c join d on c.parent_run_id = d.id
-)
-select id, status from d where status in ('pending', 'running', 'compensating') order by id
-"""
-
-
-def _unfinished_descendants(db: psycopg.Connection[Any], run: str) -> list[tuple[str, str]]:
-    return [tuple(r) for r in db.execute(_UNFINISHED_DESCENDANTS, (run,)).fetchall()]
-
 
 def _status(db: psycopg.Connection[Any], run: str) -> str:
     return str(scalar(db, "select status from flowly.runs where id = %s", run))
@@ -140,7 +132,7 @@ def test_cancel_cancels_every_unfinished_descendant_and_nothing_else(
 
     assert scalar(db, "select flowly.cancel('p')") == "cancelled"
 
-    assert _unfinished_descendants(db, "p") == []
+    assert unfinished_descendants(db, "p") == []
     for run in ("p", "c_run", "c_pend", "g1", "g2"):
         assert _status(db, run) == "cancelled", run
         assert _epoch(db, run) == epochs_before[run] + 1, run
@@ -174,8 +166,8 @@ def test_a_deep_chain_and_a_wide_family_are_cancelled_in_a_few_seconds(
     started = time.monotonic()
     assert scalar(db, "select flowly.cancel('w')") == "cancelled"
     took_wide = time.monotonic() - started
-    assert _unfinished_descendants(db, "d0") == []
-    assert _unfinished_descendants(db, "w") == []
+    assert unfinished_descendants(db, "d0") == []
+    assert unfinished_descendants(db, "w") == []
     assert scalar(db, "select count(*) from flowly.runs where status = 'cancelled'") == 51 + 2001
     assert took_chain < 3, f"cancel of a 50-deep chain took {took_chain:.1f}s"
     assert took_wide < 3, f"cancel of 2,000 children took {took_wide:.1f}s"
@@ -196,7 +188,7 @@ def test_a_child_started_in_a_transaction_in_flight_during_the_family_read_is_ca
         worker.commit()
     thread.join(10)
     assert out.get("result") == "cancelled", out
-    assert _unfinished_descendants(db, "p") == []
+    assert unfinished_descendants(db, "p") == []
     assert _status(db, "c1") == "cancelled"
 
 
@@ -242,7 +234,7 @@ def test_a_repeatable_read_cancel_sees_a_child_started_while_it_waited(
     assert out.get("result") == "cancelled" or (
         "error" in out and out["error"].sqlstate == "40001"), out
     if out.get("result") == "cancelled":
-        assert _unfinished_descendants(db, "p") == [], (
+        assert unfinished_descendants(db, "p") == [], (
             "cancel returned 'cancelled' under repeatable read but left a child unfinished")
 
 
@@ -285,7 +277,7 @@ def test_a_family_write_in_flight_delays_cancel_then_nothing_is_left_unfinished(
         worker.commit()
     thread.join(10)
     assert out.get("result") == "cancelled", out
-    assert _unfinished_descendants(db, "p") == []
+    assert unfinished_descendants(db, "p") == []
     assert _status(db, "c") == child_ends
     # the worker's token is fenced: its next checkpoint reports the lease lost
     state = sqlstate_of(db.execute, "select flowly.checkpoint('c', %s, 'next', '1')", (epoch,))
@@ -318,7 +310,7 @@ def test_a_dead_lettered_child_retried_at_the_same_moment_is_not_left_pending(
         operator.commit()
     thread.join(10)
     assert out.get("result") == "cancelled", out
-    assert _unfinished_descendants(db, "p") == [], (
+    assert unfinished_descendants(db, "p") == [], (
         "a child retried while its parent was cancelled is left unfinished")
     with pytest.raises(psycopg.Error) as refused:  # and a retry after the cancel is refused
         db.execute("update flowly.runs set status = 'dead_letter' where id = 'c'")
@@ -383,7 +375,7 @@ def test_worker_calls_on_a_family_held_by_cancel_answer_at_once_then_lease_lost(
         assert after[name] == LOST, (name, after[name])
     assert after["complete child"] == [(True,)]
     assert after["claim"] == [(0,)]
-    assert _unfinished_descendants(db, "p") == []
+    assert unfinished_descendants(db, "p") == []
     assert scalar(db, "select count(*) from flowly.runs where id = 'g'") == 0
 
 
@@ -420,7 +412,7 @@ def test_cancels_of_nested_families_at_once_never_deadlock(
         for t in threads:
             t.join(20)
         assert all(o == "cancelled" for o in outcomes.values()), outcomes
-        assert _unfinished_descendants(db, runs[0]) == []
+        assert unfinished_descendants(db, runs[0]) == []
 
 
 def test_two_cancels_whose_family_grew_while_one_waited_do_not_deadlock(
@@ -454,7 +446,7 @@ def test_two_cancels_whose_family_grew_while_one_waited_do_not_deadlock(
     states = [o.get("result") or getattr(o.get("error"), "sqlstate", o.get("error"))
               for o in (out1, out2)]
     assert all(s in ("cancelled", BUSY) for s in states), f"cancel outcomes: {states}"
-    assert _unfinished_descendants(db, "p") == []
+    assert unfinished_descendants(db, "p") == []
 
 
 class _ChildStarters:
@@ -529,7 +521,7 @@ def test_cancels_racing_a_family_that_keeps_starting_children(
                 except psycopg.Error as exc:
                     outcomes[run] = exc.sqlstate
                 if outcomes[run] == "cancelled":
-                    outcomes[run + " left"] = _unfinished_descendants(conn, run)
+                    outcomes[run + " left"] = unfinished_descendants(conn, run)
 
         cancels = [threading.Thread(target=cancel, args=(t,)) for t in targets]
         for t in cancels:
@@ -542,7 +534,7 @@ def test_cancels_racing_a_family_that_keeps_starting_children(
         assert outcomes[run] in ("cancelled", BUSY), outcomes
         if outcomes[run] == "cancelled":
             assert outcomes[run + " left"] == [], outcomes
-            assert _unfinished_descendants(db, run) == []
+            assert unfinished_descendants(db, run) == []
 
 
 def test_a_cancel_of_a_family_that_grows_faster_than_it_can_be_locked_ends_in_time(
@@ -575,4 +567,4 @@ def test_a_cancel_of_a_family_that_grows_faster_than_it_can_be_locked_ends_in_ti
     # its passes stop after its lock timeout (5 s); the last may wait for a lock that long
     assert took < 12, took
     if outcome == "cancelled":
-        assert _unfinished_descendants(db, "root") == []
+        assert unfinished_descendants(db, "root") == []

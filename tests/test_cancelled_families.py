@@ -20,25 +20,17 @@ import pytest
 
 import flowly
 from flowly.db import translated_errors
-from tests.support import claim_as, in_thread, running_worker, scalar, wait_for, waiting_on_lock
+from tests.support import (
+    claim_as,
+    in_thread,
+    running_worker,
+    scalar,
+    unfinished_descendants,
+    wait_for,
+    waiting_on_lock,
+)
 
 UNFINISHED = ("pending", "running", "compensating")
-
-# the unfinished descendants of a run, written out here so that the check does not trust the
-# engine's own family query
-_UNFINISHED_DESCENDANTS = """
-with recursive d as (
-    select c.id, c.status from flowly.runs c where c.parent_run_id = %s
-    union
-    select c.id, c.status from flowly.runs c join d on c.parent_run_id = d.id
-)
-select id from d where status in ('pending', 'running', 'compensating') order by id
-"""
-
-
-def _unfinished_descendants(db: psycopg.Connection[Any], run: str) -> list[str]:
-    return [row[0] for row in db.execute(_UNFINISHED_DESCENDANTS, (run,)).fetchall()]
-
 
 def _status(db: psycopg.Connection[Any], run: str) -> str:
     return str(scalar(db, "select status from flowly.runs where id = %s", run))
@@ -104,7 +96,7 @@ def test_a_retry_of_a_grandchild_of_a_cancelled_run_is_refused_naming_it(
     message = _refused(db, "select flowly.retry_dead_letter('c')")
     assert "run c cannot be retried: its ancestor run g was cancelled" in message, message
     assert _status(db, "c") == "dead_letter"
-    assert _unfinished_descendants(db, "g") == []
+    assert unfinished_descendants(db, "g") == []
 
 
 @pytest.mark.parametrize("p_ends", ["dead_letter", "completed"])
@@ -191,11 +183,11 @@ def test_cancelling_a_cancelled_run_again_cancels_what_its_family_left_unfinishe
                " where id = 'c'")
     epoch = int(scalar(db, "select lease_epoch from flowly.runs where id = 'c'"))
     finished_g = scalar(db, "select finished_at from flowly.runs where id = 'g'")
-    assert _unfinished_descendants(db, "g") == ["c"]
+    assert [run for run, _ in unfinished_descendants(db, "g")] == ["c"]
 
     assert scalar(db, "select flowly.cancel('g')") == "cancelled"
 
-    assert _unfinished_descendants(db, "g") == []
+    assert unfinished_descendants(db, "g") == []
     assert _status(db, "c") == "cancelled"
     assert scalar(db, "select lease_epoch from flowly.runs where id = 'c'") == epoch + 1
     assert _status(db, "p") == "dead_letter"  # a finished run stays as it ended
@@ -230,7 +222,7 @@ def test_a_grandchild_retried_while_its_grandparent_is_cancelled_is_cancelled_wi
         operator.commit()
     thread.join(10)
     assert out.get("result") == "cancelled", out
-    assert _unfinished_descendants(db, "g") == [], "a grandchild retried meanwhile ran on"
+    assert unfinished_descendants(db, "g") == [], "a grandchild retried meanwhile ran on"
 
 
 def test_a_grandchild_retried_while_a_cancel_of_its_grandparent_is_in_flight_is_refused(
@@ -287,7 +279,7 @@ def test_retries_and_cancels_racing_in_a_deep_family_neither_deadlock_nor_leave_
         (_, retried), (_, cancelled) = calls
         assert cancelled.get("result") == "cancelled", cancelled
         assert retried.get("result") == leaf or retried.get("sqlstate") == "WF004", retried
-        assert _unfinished_descendants(db, top) == [], n
+        assert unfinished_descendants(db, top) == [], n
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -342,5 +334,5 @@ def test_a_worker_runs_nothing_more_of_a_cancelled_family(
         time.sleep(1)  # what the worker would run, it has had time to
         assert client.cancel(top) == "cancelled"
     assert _status(db, bottom) == "dead_letter"
-    assert _unfinished_descendants(db, top) == []
+    assert unfinished_descendants(db, top) == []
     assert scalar(db, "select count(*) from flowly.runs where workflow = 'cf_leaf'") == 0

@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from flowly.schema import migrations
-from tests.support import READER, WORKER, wait_for
+from tests.support import READER, WORKER, drop_roles, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UNREACHABLE = "postgresql://root@127.0.0.1:1/x"
@@ -164,11 +164,7 @@ def test_every_command_works_in_a_schema_whose_name_needs_quotes(
                 " where n.nspname = %s and p.proname = 'start'", (worker, schema)
             ).fetchone() == (True,)
     finally:
-        with psycopg.connect(empty_dsn, autocommit=True) as conn:
-            for role in (worker, reader):
-                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
-                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
-                        r=sql.Identifier(role)))
+        drop_roles(empty_dsn, worker, reader)
 
 
 def test_schema_name_with_sql_in_it_is_only_a_name(empty_dsn: str) -> None:

@@ -18,7 +18,7 @@ from flowly.db import Calls
 from flowly.schedules import ScheduleCalls
 from flowly.schema import install, install_dsn, setup_roles
 from tests import workflows  # noqa: F401 (registers the workflows workers run)
-from tests.support import READER, WORKER, running_worker
+from tests.support import READER, WORKER, drop_roles, running_worker
 from tests.test_cli import QUOTED_SCHEMAS, ok
 from tests.test_cli import flowly as flowly_cli
 
@@ -201,11 +201,7 @@ def test_role_setups_at_once_all_succeed(empty_dsn: str) -> None:
             assert conn.execute("select has_function_privilege(%s, 'flowly.cancel(text)',"
                                 " 'execute')", (worker,)).fetchone() == (True,)
     finally:
-        with psycopg.connect(empty_dsn, autocommit=True) as conn:
-            for role in (worker, reader):
-                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
-                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
-                        r=sql.Identifier(role)))
+        drop_roles(empty_dsn, worker, reader)
 
 
 @pytest.mark.parametrize("schema", QUOTED_SCHEMAS)
@@ -231,7 +227,4 @@ def test_the_worker_role_runs_workflows_in_a_schema_whose_name_needs_quotes(
                 assert {run.id for run in client.list_runs(limit=10)} == set(runs)
                 assert client.purge(timedelta(0)) == 2
         finally:
-            for role in (login, worker, reader):
-                if conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
-                    conn.execute(sql.SQL("drop owned by {r}; drop role {r}").format(
-                        r=sql.Identifier(role)))
+            drop_roles(dsn, login, worker, reader)
