@@ -14,7 +14,6 @@ ends quietly with status 1. Run ids may be given by a unique prefix.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import logging
@@ -58,12 +57,15 @@ from .render import (
     table,
     to_json,
 )
-from .worker import DEFAULT_MAX_OUTPUT_BYTES, Worker
+from .worker import DEFAULT_MAX_OUTPUT_BYTES, Worker, event_loop
 from .worker.processes import supervise
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# how long the tasks a stopped worker left (a run whose step ignores its cancellation) get
+# to end before the process exits without them
+_LEFTOVER_GRACE = 2.0
 
 
 class CliError(Exception):
@@ -269,7 +271,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         command = [sys.executable, "-m", "flowly", *args.arguments, "--processes", "1"]
         return supervise(command, args.processes, {**os.environ, "FLOWLY_DSN": args.dsn},
                          own_errors=(EXIT_FAILED, EXIT_USAGE))
-    asyncio.run(worker.run())
+    event_loop.run(worker.run(), leftover_grace=_LEFTOVER_GRACE)
     return EXIT_OK
 
 

@@ -199,6 +199,19 @@ async def stubborn(ctx: flowly.Context, inp: Any) -> None:
     await ctx.step("hold_on", hold_on)
 
 
+@flowly.workflow("deaf")
+async def deaf(ctx: flowly.Context, inp: Any) -> None:
+    """An async step that ignores every cancellation, for ever."""
+    async def never_ends() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue
+
+    await ctx.step("never_ends", never_ends)
+
+
 @flowly.workflow("bad_output")
 async def bad_output(ctx: flowly.Context, inp: Any) -> Any:
     """A step whose output is not JSON."""
