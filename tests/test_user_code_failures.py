@@ -317,3 +317,30 @@ def test_a_step_whose_own_task_raises_system_exit_fails_its_run_not_the_worker(
     except BaseException as exc:
         errors.append(exc)
     assert not errors, repr(errors[0])
+
+
+@flowly.workflow("ucf_cancels_itself", max_attempts=2)
+async def ucf_cancels_itself(ctx: flowly.Context, inp: Any) -> Any:
+    async def cancel_own_task() -> None:
+        LOG[ctx.run_id].append("try")
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(1)
+
+    return await ctx.step("cancels", cancel_own_task, retry=flowly.Retry(max_attempts=1))
+
+
+def test_a_body_that_cancels_its_own_task_fails_its_run_instead_of_looping(
+    dsn: str, client: flowly.Client
+) -> None:
+    """A step that cancels the task it runs in (and nothing catches the CancelledError): the
+    worker took the body's end for a cancel of its own, left the run to its lease and took
+    it again when that expired, for ever, without counting an attempt (a lease that lapses
+    under a live worker is no evidence against the run). It is a failure of the body now."""
+    run_id = client.start("ucf_cancels_itself", None)
+    with running_worker(dsn, lease=2):
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.attempt) == ("dead_letter", 2), (run.status, run.attempt)
+    assert run.error is not None and run.error["type"] == "CancelledError", run.error
+    assert LOG[run_id] == ["try", "try"]

@@ -1142,7 +1142,12 @@ class Worker:
             return "done"
         except BaseException as exc:  # the body itself failed: the database decides what next
             if cancel_requested(exc):
-                raise
+                if held.stopped is not None:  # this worker stopped the run
+                    raise
+                # the body cancelled its own task (a step's current_task().cancel()) and let
+                # the CancelledError out: taken for a stop, the run was left to its lease and
+                # claimed again, for ever, never counted as an attempt
+                _forget_cancellation()
             if (decided := await _settled_decision(ctx)) is not None:
                 return decided  # a step that failed meanwhile decided first
             return await self._fail_run(held, exc, not isinstance(exc, NOT_RETRYABLE))
@@ -1234,6 +1239,14 @@ class Worker:
     async def _call_one(self, query: Any, params: Any) -> Any:
         rows = await self._call(query, params)
         return rows[0]
+
+
+def _forget_cancellation() -> None:
+    """Withdraw the cancellation requests of the running task, so that it can go on to write
+    what ended it (a body that cancelled itself)."""
+    task = asyncio.current_task()
+    while task is not None and task.uncancel() > 0:
+        pass
 
 
 async def _settled_decision(ctx: Context) -> str | None:
