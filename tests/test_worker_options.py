@@ -35,11 +35,23 @@ from tests.test_cli import one_error_line
     ({"purge_after": math.nan}, "purge_after must be a finite number of seconds"),
     ({"purge_after": -5}, "purge_after must be zero or more seconds"),
     ({"purge_after": "7d"}, "purge_after must be seconds or a timedelta"),
+    # taken before, and each failing far from the mistake: an int as the default retry
+    # dead-lettered every run whose step failed with "'int' object has no attribute
+    # 'max_attempts'", "no" as install_schema installed (a non-empty str is true), and
+    # bytes as queues served the queues 120 ("x")
+    ({"default_retry": 5}, "default_retry must be a flowly.Retry, got int"),
+    ({"install_schema": "no"}, "install_schema must be True or False, got str"),
+    ({"queues": b"x"}, "queues must be a queue name or an iterable of them, got bytes"),
 ])
 def test_a_bad_worker_option_is_refused_naming_it(options: dict[str, Any], message: str
                                                   ) -> None:
     with pytest.raises(flowly.InvalidArgument, match=message):
         flowly.Worker("postgresql://unused/unused", workflows=["quick"], **options)
+
+
+def test_a_worker_needs_a_dsn_as_text() -> None:
+    with pytest.raises(flowly.InvalidArgument, match="dsn must be a string, got NoneType"):
+        flowly.Worker(None, workflows=["quick"])  # type: ignore[arg-type]
 
 
 def test_the_worker_command_names_a_bad_option_without_blaming_the_app(dsn: str) -> None:

@@ -125,6 +125,9 @@ def _seconds(what: str, value: Any, *, zero: bool = False) -> float:
 def _queues(queues: Iterable[str] | str) -> list[str]:
     """The queues a worker serves: one queue alone (not in a list) is that queue, not the
     letters of its name."""
+    if isinstance(queues, (bytes, bytearray)):  # iterated, it would be the queues 120, 121...
+        raise InvalidArgument("queues must be a queue name or an iterable of them, got"
+                              f" {type(queues).__name__} {queues!r}")
     given = [queues] if isinstance(queues, str) else list(queues)
     if not given:
         raise InvalidArgument("a worker needs at least one queue to serve")
@@ -301,7 +304,7 @@ class Worker:
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
         purge_after: float | timedelta | None = None,
     ) -> None:
-        self.dsn = dsn
+        self.dsn = arguments.text("dsn", dsn)
         self.workflows = resolve(workflows)
         if not self.workflows:
             raise ValueError("a worker needs at least one registered workflow")
@@ -315,7 +318,13 @@ class Worker:
                                   f" got {self.lease:g}")
         self._lease_interval = seconds_interval(self.lease)
         self.max_connections = arguments.at_least("max_connections", max_connections, 2)
+        if default_retry is not None and not isinstance(default_retry, Retry):
+            raise InvalidArgument("default_retry must be a flowly.Retry, got"
+                                  f" {type(default_retry).__name__} {default_retry!r}")
         self.default_retry = default_retry or Retry()
+        if not isinstance(install_schema, bool):
+            raise InvalidArgument("install_schema must be True or False, got"
+                                  f" {type(install_schema).__name__} {install_schema!r}")
         self.install_schema = install_schema
         self.max_output_bytes = arguments.at_least("max_output_bytes", max_output_bytes, 1)
         self.purge_after = None if purge_after is None else _seconds(
