@@ -171,7 +171,7 @@ def error_info(exc: BaseException) -> dict[str, Any]:
     tb = "".join(traceback.format_exception(exc))
     try:
         message = str(exc)
-    except Exception as unprintable:  # the exception's own __str__ failed
+    except BaseException as unprintable:  # its own __str__ failed, with whatever it raised
         message = f"<{type(exc).__qualname__}: str() raised {unprintable!r}>"
     if len(message) > _MESSAGE_CHARS:
         message = (f"{message[:_MESSAGE_CHARS]} [message cut:"

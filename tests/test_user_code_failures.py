@@ -147,14 +147,21 @@ class BadMessage(Exception):
         raise RuntimeError("no message for you")
 
 
-@flowly.workflow("ucf_bad_message")
-async def ucf_bad_message(ctx: flowly.Context, inp: Any) -> Any:
+class InterruptingMessage(Exception):
+    """Its __str__ raises a BaseException, which an `except Exception` lets through."""
+
+    def __str__(self) -> str:
+        raise KeyboardInterrupt
+
+
+@flowly.workflow("ucf_bad_message", max_attempts=1)
+async def ucf_bad_message(ctx: flowly.Context, unprintable: str) -> Any:
     log = LOG[ctx.run_id]
 
     def flaky() -> str:
         log.append("try")
         if len(log) < 3:
-            raise BadMessage()
+            raise BadMessage() if unprintable == "error" else InterruptingMessage()
         return "ok"
 
     try:
@@ -164,14 +171,17 @@ async def ucf_bad_message(ctx: flowly.Context, inp: Any) -> Any:
         return f"swallowed {type(exc).__name__}"
 
 
+@pytest.mark.parametrize("unprintable", ["error", "interrupt"])
 def test_a_step_whose_exception_has_no_printable_message_is_retried(
-    dsn: str, client: flowly.Client
+    dsn: str, client: flowly.Client, unprintable: str
 ) -> None:
     """README: a failing step is retried per its `retry`; step failures end the body with
     interrupts (BaseException), so `except Exception` cannot swallow them. An exception whose
-    __str__ raises makes error_info fail inside the fail_step write: the step is not retried,
-    and the body receives an ordinary RefusedWrite it can (and here does) swallow."""
-    run_id = client.start("ucf_bad_message", None)
+    __str__ raised made error_info fail inside the fail_step write, and the step was not
+    retried (the body received an ordinary RefusedWrite it could swallow); one whose __str__
+    raised a BaseException escaped error_info's guard and failed the whole run (one attempt
+    here) with that BaseException's type instead of the step's."""
+    run_id = client.start("ucf_bad_message", unprintable)
     with running_worker(dsn):
         run = client.wait(run_id, timeout=20)
     assert LOG[run_id] == ["try", "try", "try"], (run.status, run.output, run.error)
