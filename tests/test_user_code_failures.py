@@ -5,6 +5,7 @@ stop a sibling's side effect from being undone, never committed outside flowly's
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -354,3 +355,45 @@ def test_a_body_that_cancels_its_own_task_fails_its_run_instead_of_looping(
     assert (run.status, run.attempt) == ("dead_letter", 2), (run.status, run.attempt)
     assert run.error is not None and run.error["type"] == "CancelledError", run.error
     assert LOG[run_id] == ["try", "try"]
+
+
+_HUNG_CALL = threading.Event()
+
+
+@flowly.workflow("ucf_hangs_in_a_thread", max_attempts=1)
+async def ucf_hangs_in_a_thread(ctx: flowly.Context, inp: Any) -> Any:
+    await ctx.step("hang", _HUNG_CALL.wait)
+
+
+@flowly.workflow("ucf_quick_sync", max_attempts=1)
+async def ucf_quick_sync(ctx: flowly.Context, inp: Any) -> Any:
+    return await ctx.step("quick", lambda: "ok")
+
+
+def test_a_hung_sync_call_of_a_cancelled_run_does_not_trap_the_next_run(
+    dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """A sync step hangs; the operator cancels its run. The call keeps its thread (Python
+    cannot stop one), and the worker, its run gone, claimed the next run, whose sync step
+    then waited for a thread as long as the hung call lasted, its lease kept by heartbeats,
+    so no other worker could take it. A worker now counts such calls against its room."""
+    _HUNG_CALL.clear()
+    workflows = [ucf_hangs_in_a_thread, ucf_quick_sync]
+    try:
+        with running_worker(dsn, workflows=workflows, concurrency=1, worker_id="trapped",
+                            lease=1.5):
+            hung = client.start("ucf_hangs_in_a_thread", None)
+            wait_for(lambda: scalar(db, "select count(*) from flowly.steps where run_id = %s",
+                                    hung) == 0 and client.get(hung).locked_by == "trapped",
+                     what="the hung run held")
+            time.sleep(0.3)  # its step begun
+            client.cancel(hung)
+            time.sleep(1.5)  # its worker's next heartbeat finds it cancelled, and lets it go
+            innocent = client.start("ucf_quick_sync", None)
+            time.sleep(1.0)  # the trapped worker's chance to take it: its wake-up, a poll
+            with running_worker(dsn, workflows=workflows, worker_id="free"):
+                run = client.wait(innocent, timeout=15)
+        assert run.status == "completed", run
+        assert scalar(db, "select locked_by is null from flowly.runs where id = %s", innocent)
+    finally:
+        _HUNG_CALL.set()

@@ -582,7 +582,7 @@ class Worker:
         while not self._stopping.is_set():
             self._wakeup.clear()  # before claiming: a NOTIFY during the claim is not lost
             claim, self._claim_due = self._claim_due or self._runs_may_wait, False
-            free = self.concurrency - len(self._held)
+            free = self._room()
             claimed = 0
             # whether runs may be left behind: with no room to claim, or a claim that took as
             # many runs as it had room for, or one that failed (a run that ends claims again)
@@ -697,6 +697,13 @@ class Worker:
         held = self._begin(run, lease_until)
         self._side_call(self._extend_handed_lease(held))
 
+    def _room(self) -> int:
+        """How many more runs this worker may begin: its concurrency, less the runs it holds
+        and the sync calls of runs it gave up on that still hold a step thread (a hung call of
+        a cancelled run: a run begun in its place would wait for a thread for as long, its
+        lease kept, where another worker could run it)."""
+        return self.concurrency - len(self._held) - self._step_threads.abandoned
+
     def _may_begin(self, run: ClaimedRun) -> bool:
         """Whether a run handed to this worker may begin here now; if not, it is given back
         (full, stopping, or a workflow not served) or dropped (a late notification of a run
@@ -704,7 +711,7 @@ class Worker:
         current = self._held.get(run.run_id)
         if current is not None and current.epoch >= run.epoch:
             return False
-        if (self._stopping.is_set() or len(self._held) >= self.concurrency
+        if (self._stopping.is_set() or self._room() <= 0
                 or run.workflow not in self.workflows):
             self._side_call(self._give_back(run))
             return False

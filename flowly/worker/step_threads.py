@@ -8,7 +8,8 @@ released its runs (a ``ThreadPoolExecutor`` joins its threads at interpreter exi
 
 A slot is held until the thread is really done with the call, not merely until the awaiting
 run gave up on it: a run cancelled (or taken over) while its step still runs does not free a
-slot for yet another thread, so there are never more than ``limit`` threads.
+slot for yet another thread, so there are never more than ``limit`` threads. Such calls are
+counted (``abandoned``), so that the worker does not begin runs that would wait for a thread.
 """
 
 from __future__ import annotations
@@ -32,10 +33,18 @@ class StepThreads:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = 0
         self._idle = 0
+        # calls still running on a thread whose awaiting task gave up on them
+        self._abandoned = 0
         self._lock = threading.Lock()
         # calls finished on the threads, to settle on the loop (a delivery is scheduled
         # whenever this is not empty)
         self._finished: list[tuple[Callable[[Any], None], Any, asyncio.Future[Any]]] = []
+
+    @property
+    def abandoned(self) -> int:
+        """How many slots calls that nobody awaits any more hold (a hung call of a cancelled
+        run holds its slot until it returns)."""
+        return self._abandoned
 
     @property
     def threads(self) -> int:
@@ -57,7 +66,12 @@ class StepThreads:
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Any] = loop.create_future()
         self._submit((fn, args, loop, outcome))
-        return await outcome
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            if outcome.cancelled():  # the call runs on, holding its slot
+                self._abandoned += 1
+            raise
 
     def _submit(self, job: _Job) -> None:
         with self._lock:
@@ -104,5 +118,7 @@ class StepThreads:
             finished, self._finished = self._finished, []
         for settle, value, outcome in finished:
             self._slots.release()
-            if not outcome.done():  # the run may have been cancelled meanwhile
+            if outcome.cancelled():  # the run gave up on it meanwhile
+                self._abandoned -= 1
+            elif not outcome.done():
                 settle(value)
