@@ -147,3 +147,27 @@ def test_processes_below_one_is_a_usage_error(dsn: str) -> None:
     error = one_error_line(flowly_command("worker", "--app", "tests.workflows", "--processes",
                                           "0", dsn=dsn), 2)
     assert error == "error: --processes must be at least 1, got 0"
+
+
+def test_a_second_signal_ends_a_supervisor_whose_worker_does_not_stop(
+    dsn: str, db: psycopg.Connection[Any]
+) -> None:
+    """One worker frozen (SIGSTOP: a paused container, a debugger) never acts on its SIGTERM.
+    The supervisor sent each worker SIGTERM once and waited for ever, a second SIGTERM or
+    SIGINT ignored: only SIGKILL ended it. A second signal now kills the workers left."""
+    with _supervisor(dsn) as supervisor:
+        workers = wait_for(lambda: len(pids := _serving(db, supervisor)) == 2 and pids,
+                           what="two worker processes registered")
+        frozen = min(workers)
+        psutil.Process(frozen).send_signal(signal.SIGSTOP)
+        supervisor.signal(signal.SIGTERM)
+        wait_for(lambda: _gone(workers - {frozen}), what="the other worker stopped")
+        time.sleep(0.5)
+        assert supervisor.proc.poll() is None  # waiting for the frozen one, as it should
+        supervisor.signal(signal.SIGTERM)
+        status = supervisor.proc.wait(10)
+        log = supervisor.stop()
+    assert wait_for(lambda: _gone({frozen}), what="the frozen worker killed")
+    assert status == 0, log
+    assert f"worker process 1 (pid {frozen})" in log or f"(pid {frozen})" in log, log
+    assert "killing" in log, log

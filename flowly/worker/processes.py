@@ -7,7 +7,8 @@ them all. The supervisor starts N copies of the same ``flowly worker`` command, 
 own (its own worker id, connections and leases), and:
 
 - passes SIGTERM and SIGINT on to them, and exits once they all have (each drains and
-  releases its runs as a lone worker does);
+  releases its runs as a lone worker does); a second SIGTERM or SIGINT kills the workers
+  still running (one frozen by SIGSTOP, a paused container, never acts on its SIGTERM);
 - replaces one that ended (killed by the OOM killer, a segfault, a stray ``kill -9``, or a
   step that ended its process) after a pause, which grows while its replacements die young;
   the runs it held are taken over when their leases expire, as for any crashed worker, and
@@ -70,16 +71,17 @@ def supervise(command: Sequence[str], processes: int, env: Mapping[str, str],
     the exit status for the supervisor (0, or the status of the worker that could not
     start)."""
     slots = [_Slot(number) for number in range(1, processes + 1)]
-    stopping = False
+    stopping = signalled = False
     status = 0
 
     def stop(signum: int, _frame: FrameType | None) -> None:
-        nonlocal stopping
+        nonlocal stopping, signalled
         # noted first: a second signal may run this again while the first one logs
-        stopped_before, stopping = stopping, True
-        if not stopped_before:
-            logger.info("%s: stopping the %d worker processes", _signal_name(signum),
-                        processes)
+        signalled_before, signalled, stopping = signalled, True, True
+        if signalled_before:
+            _kill_all(slots, _signal_name(signum))
+            return
+        logger.info("%s: stopping the %d worker processes", _signal_name(signum), processes)
         _stop_all(slots)
 
     before_exec = _stopped_with(os.getpid())
@@ -153,6 +155,15 @@ def _stop_all(slots: Sequence[_Slot]) -> None:
         if slot.process is not None and not slot.told_to_stop and slot.process.poll() is None:
             slot.process.send_signal(signal.SIGTERM)
             slot.told_to_stop = True
+
+
+def _kill_all(slots: Sequence[_Slot], why: str) -> None:
+    """SIGKILL to each worker process still running (told to stop, it has not)."""
+    for slot in slots:
+        if slot.process is not None and slot.process.poll() is None:
+            logger.warning("%s again: killing worker process %d (pid %d), which has not"
+                           " stopped", why, slot.number, slot.process.pid)
+            slot.process.kill()
 
 
 def _stopped_with(supervisor: int) -> Callable[[], None] | None:
