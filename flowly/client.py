@@ -380,6 +380,15 @@ def list_runs_query(
     return query, params
 
 
+def _check_connection(conn: object, expected: type, client: str) -> None:
+    """Refuse a ``conn=`` that is not a connection of the client's kind (an async one given to
+    the sync Client, a cursor, a DSN), before anything is sent: psycopg's own error, raised
+    half-way through, named neither ``conn`` nor what it should have been."""
+    if not isinstance(conn, expected):
+        raise InvalidArgument(f"conn: {client} takes a psycopg.{expected.__name__},"
+                              f" got {type(conn).__module__}.{type(conn).__qualname__}")
+
+
 class Client:
     """Blocking client over one autocommit connection (opened lazily).
 
@@ -445,6 +454,7 @@ class Client:
     def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
                ) -> list[dict[str, Any]]:
         if conn is not None:
+            _check_connection(conn, psycopg.Connection, "Client")
             with translated_errors(), conn.cursor(row_factory=dict_row) as cursor:
                 return cursor.execute(query, params).fetchall()
         if self.timeout is None:
@@ -776,6 +786,7 @@ class AsyncClient:
     async def _fetch(self, query: Any, params: Any,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
         if conn is not None:
+            _check_connection(conn, psycopg.AsyncConnection, "AsyncClient")
             with translated_errors():
                 async with conn.cursor(row_factory=dict_row) as cursor:
                     return await (await cursor.execute(query, params)).fetchall()
