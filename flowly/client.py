@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, fields
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -322,11 +322,12 @@ Since = datetime | timedelta | str
 def parse_since(since: Since) -> datetime | timedelta:
     """``since`` as a point in time or an age: a datetime (local time when naive), a
     timedelta, or text: an age like ``10m``, ``2h``, ``1d`` (units s, m, h, d, w) or an ISO
-    8601 time. Raises :class:`InvalidArgument` for anything else."""
+    8601 time. Raises :class:`InvalidArgument` for anything else, and for an age that
+    reaches before the year 1 (or, negative, past the year 9999)."""
     if isinstance(since, timedelta):
-        return since
+        return _checked_age(since, since)
     if isinstance(since, datetime):
-        return since if since.tzinfo is not None else since.astimezone()
+        return _aware(since)
     if not isinstance(since, str):
         raise InvalidArgument(f"since: expected a datetime, a timedelta or text like 10m,"
                               f" got {type(since).__name__}")
@@ -334,14 +335,40 @@ def parse_since(since: Since) -> datetime | timedelta:
     match = _AGE.fullmatch(text)
     if match:
         try:
-            return timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
+            age = timedelta(seconds=float(match[1]) * _AGE_UNITS[match[2]])
         except OverflowError:
-            raise InvalidArgument(f"since: {since!r} is too long ago") from None
+            raise InvalidArgument(f"since: {since!r} reaches before the year 1") from None
+        return _checked_age(age, since)
     try:
-        return parse_since(datetime.fromisoformat(text))
+        point = datetime.fromisoformat(text)
     except ValueError:
         raise InvalidArgument(f"since: expected an age like 10m, 2h, 1d or an ISO time,"
                               f" got {since!r}") from None
+    return _aware(point)
+
+
+def _checked_age(age: timedelta, since: Since) -> timedelta:
+    """``age``, if it reaches back to a time of the calendar: the database failed on one
+    that did not (a date or interval out of range), and the CLI, which counts it back from
+    now, refused it as reaching before the year 1."""
+    try:
+        datetime.now(UTC) - age
+    except OverflowError:
+        where = "before the year 1" if age > timedelta(0) else "past the year 9999"
+        raise InvalidArgument(f"since: {since!r} reaches {where}") from None
+    return age
+
+
+def _aware(point: datetime) -> datetime:
+    """``point`` in the local time zone when it is naive. At the ends of the calendar, where
+    that zone moves it out of datetime's range (0001-01-01 in UTC is the year 0), it is read
+    in UTC instead: no run was made within a day of either end."""
+    if point.tzinfo is not None:
+        return point
+    try:
+        return point.astimezone()
+    except (ValueError, OverflowError):
+        return point.replace(tzinfo=UTC)
 
 
 # what a listing without data reads of a run: every field of Run but its input and output
@@ -378,6 +405,15 @@ def list_runs_query(
         sql.SQL("*") if data else _RUN_WITHOUT_DATA, schema_identifier(check_schema_name(schema)),
         where)
     return query, params
+
+
+def _check_connection(conn: object, expected: type, client: str) -> None:
+    """Refuse a ``conn=`` that is not a connection of the client's kind (an async one given to
+    the sync Client, a cursor, a DSN), before anything is sent: psycopg's own error, raised
+    half-way through, named neither ``conn`` nor what it should have been."""
+    if not isinstance(conn, expected):
+        raise InvalidArgument(f"conn: {client} takes a psycopg.{expected.__name__},"
+                              f" got {type(conn).__module__}.{type(conn).__qualname__}")
 
 
 class Client:
@@ -445,6 +481,7 @@ class Client:
     def _fetch(self, query: Any, params: Any, conn: psycopg.Connection[Any] | None = None
                ) -> list[dict[str, Any]]:
         if conn is not None:
+            _check_connection(conn, psycopg.Connection, "Client")
             with translated_errors(), conn.cursor(row_factory=dict_row) as cursor:
                 return cursor.execute(query, params).fetchall()
         if self.timeout is None:
@@ -776,6 +813,7 @@ class AsyncClient:
     async def _fetch(self, query: Any, params: Any,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
         if conn is not None:
+            _check_connection(conn, psycopg.AsyncConnection, "AsyncClient")
             with translated_errors():
                 async with conn.cursor(row_factory=dict_row) as cursor:
                     return await (await cursor.execute(query, params)).fetchall()

@@ -19,8 +19,11 @@ from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import dbapi20, postgres, sql
+from psycopg.adapt import AdaptersMap
 from psycopg.rows import tuple_row
+from psycopg.types import TypesRegistry
+from psycopg.types.array import register_all_arrays
 
 from . import deep_json
 from .errors import InvalidArgument, RunBusy, SchemaError, SchemaNotInstalled, translate
@@ -171,13 +174,34 @@ _SESSION_SETUP = (
     " set_config('intervalstyle', 'postgres', false) end")
 
 
+def _psycopg_default_adapters() -> AdaptersMap:
+    """The adapters psycopg starts with, in a map of their own, as psycopg builds its
+    process-wide ``psycopg.adapters`` (which is the application's to change)."""
+    types = TypesRegistry()
+    postgres.register_default_types(types)
+    adapters = AdaptersMap(types=types)
+    postgres.register_default_adapters(adapters)
+    dbapi20.register_dbapi20_adapters(adapters)
+    register_all_arrays(adapters)
+    return adapters
+
+
+# what flowly's own connections dump and load by: an application's loaders registered on
+# psycopg.adapters (a float8 as Decimal, a bool as text) crashed the worker's clock
+# arithmetic and kept its runs in `running`. Each connection copies the map, and deep_json
+# then sets its json loaders on that copy.
+_FLOWLY_ADAPTERS = _psycopg_default_adapters()
+
+
 def connect_params(who: str) -> dict[str, Any]:
-    """What every connection flowly opens asks libpq for: UTF-8, whatever the database's or
-    role's client_encoding (under LATIN1, say, a run whose input held a character outside it
-    failed every claim of the worker that served it, and its hand-off broke the worker's
-    listener), and ``flowly <who>`` as its application_name in ``pg_stat_activity``, unless
-    the DSN or PGAPPNAME gives one."""
-    return {"client_encoding": "utf8", "fallback_application_name": f"flowly {who}"}
+    """What every connection flowly opens asks for: UTF-8, whatever the database's or role's
+    client_encoding (under LATIN1, say, a run whose input held a character outside it failed
+    every claim of the worker that served it, and its hand-off broke the worker's listener),
+    ``flowly <who>`` as its application_name in ``pg_stat_activity``, unless the DSN or
+    PGAPPNAME gives one, and psycopg's default adapters, whatever the application registered
+    process-wide."""
+    return {"client_encoding": "utf8", "fallback_application_name": f"flowly {who}",
+            "context": _FLOWLY_ADAPTERS}
 
 
 def _prepare_if(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
@@ -347,16 +371,22 @@ class Calls:
         q = partial(schema_statement, self.schema)
 
         self.finished_channel = q("select {s}.finished_channel()")
+        # every parameter of a call that may run on the caller's connection (conn=) is cast
+        # to the type the function takes: that connection's dumpers are the application's
+        # (an int dumped as numeric made this a call of a start(..., numeric, ...) that
+        # does not exist)
         self.start = q(
-            "select {s}.start(workflow => %(workflow)s, input => %(input)s::jsonb,"
-            " run_id => %(run_id)s, queue => %(queue)s, priority => %(priority)s,"
+            "select {s}.start(workflow => %(workflow)s::text, input => %(input)s::jsonb,"
+            " run_id => %(run_id)s::text, queue => %(queue)s::text,"
+            " priority => %(priority)s::integer,"
             " scheduled_for => coalesce(%(scheduled_for)s::timestamptz,"
             "                           clock_timestamp() + %(delay)s::interval),"
-            " concurrency_key => %(concurrency_key)s,"
-            " max_attempts => %(max_attempts)s, timeout => %(timeout)s,"
-            " parent_run_id => %(parent_run_id)s,"
-            " parent_lease_epoch => %(parent_lease_epoch)s,"
-            " parent_step => %(parent_step)s, parent_position => %(parent_position)s)"
+            " concurrency_key => %(concurrency_key)s::text,"
+            " max_attempts => %(max_attempts)s::integer, timeout => %(timeout)s::interval,"
+            " parent_run_id => %(parent_run_id)s::text,"
+            " parent_lease_epoch => %(parent_lease_epoch)s::bigint,"
+            " parent_step => %(parent_step)s::text,"
+            " parent_position => %(parent_position)s::integer)"
         )
         # a worker's ctx.start: it holds a pooled connection and the parent's row while it
         # waits for a lock (another transaction's uncommitted run of the same concurrency
@@ -369,7 +399,8 @@ class Calls:
         # start and, in the same round trip, whether a live worker serves the run
         self.start_and_served = rendered(self.start + q(
             ", exists (select from {s}.workers w where w.last_seen_at + w.lease > now()"
-            " and %(workflow)s = any(w.workflows) and %(queue)s = any(w.queues)) as served"))
+            " and %(workflow)s::text = any(w.workflows) and %(queue)s::text = any(w.queues))"
+            " as served"))
         self.cancel = q("select {s}.cancel(%s)")
         self.purge = q("select {s}.purge(%s, %s, %s)")
         self.retry_dead_letter = q("select {s}.retry_dead_letter(%s)")
@@ -426,7 +457,7 @@ class Calls:
         self.park = q("select {s}.park(%s, %s, %s)")
         self.wake_missed_waiters = q("select {s}.wake_missed_waiters()")
         self.undone_steps = q("select * from {s}.undone_steps(%s)")
-        self.send_event = q("select {s}.send_event(%s, %s, %s::jsonb)")
+        self.send_event = q("select {s}.send_event(%s::text, %s::text, %s::jsonb)")
         self.fail_run = q("select * from {s}.fail_run(%s, %s, %s, %s)")
         self.record_compensation = q("select {s}.record_compensation(%s, %s, %s, %s)")
         self.finish_compensation = q("select {s}.finish_compensation(%s, %s)")
