@@ -265,6 +265,11 @@ def _unanswered_message(timeout: float) -> str:
 _BOUND_STATEMENTS = "select set_config('statement_timeout', %s, false)"
 
 
+def _busy_message(timeout: float) -> str:
+    return (f"the client's connection stayed busy with other calls for the client's timeout"
+            f" ({timeout:g}s); the call was not made, so it took no effect: make it again")
+
+
 def _statement_timeout(timeout: float) -> str:
     return f"{math.ceil(timeout * 1000)}ms"
 
@@ -410,6 +415,7 @@ class Client:
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
         self._bounded: psycopg.Connection[Any] | None = None
+        self._calls = threading.Lock()  # held by the call on self._conn under a timeout
         # Each wait under way reads and LISTENs on a connection of its own, so that a wait
         # cut off at its timeout, or ended by close(), ends no other thread's call (a call
         # queued behind another on self._conn could only be cut off with it). Kept idle, not
@@ -467,15 +473,28 @@ class Client:
         if self.timeout is None:
             with translated_errors():
                 return self._fetch_own(query, params)
-        deadline = time.monotonic() + self.timeout
+        # threads sharing the client take turns here, not in psycopg's lock, so that a call's
+        # time and Cutoff start once the connection is its own: a Cutoff that came while
+        # the call still queued would end another thread's call
+        if not self._calls.acquire(timeout=self.timeout):
+            raise DatabaseTimeout(_busy_message(self.timeout))
+        try:
+            return self._fetch_bounded(query, params, self.timeout)
+        finally:
+            self._calls.release()
+
+    def _fetch_bounded(self, query: Any, params: Any, timeout: float) -> list[dict[str, Any]]:
+        """A call on the client's own connection, ended by the server at ``timeout`` or cut
+        off a second later."""
+        deadline = time.monotonic() + timeout
         with Cutoff(lambda: (self._conn,)) as cutoff:
-            cutoff.arm(self.timeout + _ANSWER_GRACE)
+            cutoff.arm(timeout + _ANSWER_GRACE)
             try:
                 with translated_errors():
                     return self._fetch_own(query, params)
             except psycopg.errors.QueryCanceled as exc:
                 if _ended_by_timeout(exc, deadline):
-                    raise DatabaseTimeout(_ended_message(self.timeout)) from exc
+                    raise DatabaseTimeout(_ended_message(timeout)) from exc
                 raise
             except psycopg.OperationalError as exc:
                 # cut off, or a connection that could not be made in time (libpq's
@@ -488,7 +507,7 @@ class Client:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        raise DatabaseTimeout(_unanswered_message(self.timeout)) from silence
+        raise DatabaseTimeout(_unanswered_message(timeout)) from silence
 
     def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, made again if it lost a serialization race

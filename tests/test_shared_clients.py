@@ -113,3 +113,21 @@ def test_close_ends_an_async_wait_under_way_in_another_task(dsn: str) -> None:
     error = asyncio.run(main())
     assert isinstance(error, psycopg.OperationalError), error
     assert "closed" in str(error)
+
+
+def test_calls_queued_on_a_shared_client_with_a_timeout_are_ended_by_the_server_not_cut_off(
+        dsn: str) -> None:
+    """Three threads' cancels queue on one Client(timeout=1) behind a row an operator holds:
+    each is ended having done nothing, none is cut off mid-call (whose effect is unknown) nor
+    fails on a connection another call's cut-off closed."""
+    with flowly.Client(dsn, timeout=1) as client, psycopg.connect(dsn) as operator:
+        held = client.start("nobody-serves-this", {"held": 1})
+        operator.execute("select 1 from flowly.runs where id = %s for update", (held,))
+        calls = [in_thread(client.cancel, held) for _ in range(3)]
+        for thread, _ in calls:
+            thread.join(10)
+        operator.rollback()
+        for _, outcome in calls:
+            assert isinstance(outcome.get("error"), flowly.DatabaseTimeout), outcome
+            assert "took no effect" in str(outcome["error"]), outcome
+        assert client.get(held).status == "pending"
