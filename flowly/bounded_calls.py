@@ -222,13 +222,22 @@ class Cutoff:
     def _cut(self) -> None:
         self._cut_off = True
         for conn in self._conns():
-            if conn is not None and not conn.closed:
-                with contextlib.suppress(OSError, psycopg.Error):
-                    sock = socket.socket(fileno=os.dup(conn.fileno()))
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    finally:
-                        sock.close()
+            if conn is not None:
+                shut_down(conn)
+
+
+def shut_down(conn: _Conn) -> None:
+    """Shut ``conn``'s socket down: a call on it (in another thread, say) fails at once as on
+    a lost connection, and the connection is left for its user to close (closing it under
+    that call could hand its descriptor to another socket)."""
+    if conn.closed:
+        return
+    with contextlib.suppress(OSError, psycopg.Error):
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
 
 
 def on_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:

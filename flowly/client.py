@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, fields
@@ -23,7 +24,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from . import arguments
-from .bounded_calls import Cutoff, within
+from .bounded_calls import Cutoff, shut_down, within
 from .db import (
     TERMINAL,
     Calls,
@@ -264,6 +265,11 @@ def _unanswered_message(timeout: float) -> str:
 _BOUND_STATEMENTS = "select set_config('statement_timeout', %s, false)"
 
 
+def _busy_message(timeout: float) -> str:
+    return (f"the client's connection stayed busy with other calls for the client's timeout"
+            f" ({timeout:g}s); the call was not made, so it took no effect: make it again")
+
+
 def _statement_timeout(timeout: float) -> str:
     return f"{math.ceil(timeout * 1000)}ms"
 
@@ -279,6 +285,10 @@ def _ended_message(timeout: float) -> str:
     return (f"the database did not complete the call within the client's timeout"
             f" ({timeout:g}s) and ended it (it was most likely waiting for a lock another"
             " session holds): the call took no effect; make it again")
+
+
+def _closed_error() -> psycopg.OperationalError:
+    return psycopg.OperationalError("the client was closed while this wait was under way")
 
 
 def _silent_message(run_id: str, timeout: float) -> str:
@@ -441,14 +451,17 @@ class Client:
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
         self._bounded: psycopg.Connection[Any] | None = None
-        # LISTENs for finished runs, opened by the first wait that has to wait
-        self._listener: psycopg.Connection[Any] | None = None
+        self._calls = threading.Lock()  # held by the call on self._conn under a timeout
+        # Each wait under way reads and LISTENs on a connection of its own, so that a wait
+        # cut off at its timeout, or ended by close(), ends no other thread's call (a call
+        # queued behind another on self._conn could only be cut off with it). Kept idle, not
+        # listening, for the next wait.
+        self._wait_conns = threading.Lock()
+        self._idle_waits: list[psycopg.Connection[Any]] = []
+        self._busy_waits: set[psycopg.Connection[Any]] = set()
+        self._closes = 0  # close() calls so far: a wait under way when it grows ends
         self._listen_statement: sql.Composed | None = None
-        self._waits = 0  # waits under way that listen on self._listener
         self._warned: dict[tuple[str, str], float] = {}
-        # libpq options bounding the connections opened now (the client's timeout, or a
-        # wait's)
-        self._connect_bound: dict[str, Any] = _connect_bound(self.timeout)
 
     def __enter__(self) -> Client:
         return self
@@ -457,10 +470,20 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        for conn in (self._conn, self._listener):
-            if conn is not None:
-                conn.close()
-        self._conn = self._listener = None
+        """Close the client's connections. A wait under way (in another thread) ends at once
+        with ``psycopg.OperationalError`` saying the client was closed; a later call opens
+        a connection again."""
+        with self._wait_conns:
+            self._closes += 1
+            idle, self._idle_waits = self._idle_waits, []
+            busy = list(self._busy_waits)
+        for conn in busy:
+            shut_down(conn)  # its wait closes it
+        for conn in idle:
+            conn.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
@@ -469,7 +492,7 @@ class Client:
             if conn is not None:
                 conn.close()
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row,
-                                                **_CONNECT, **self._connect_bound)
+                                                **_CONNECT, **_connect_bound(self.timeout))
             adapt_connection(conn)
             set_up_session(conn)
         if self.timeout is not None and self._bounded is not conn:
@@ -487,15 +510,28 @@ class Client:
         if self.timeout is None:
             with translated_errors():
                 return self._fetch_own(query, params)
-        deadline = time.monotonic() + self.timeout
+        # threads sharing the client take turns here, not in psycopg's lock, so that a call's
+        # time and Cutoff start once the connection is its own: a Cutoff that came while
+        # the call still queued would end another thread's call
+        if not self._calls.acquire(timeout=self.timeout):
+            raise DatabaseTimeout(_busy_message(self.timeout))
+        try:
+            return self._fetch_bounded(query, params, self.timeout)
+        finally:
+            self._calls.release()
+
+    def _fetch_bounded(self, query: Any, params: Any, timeout: float) -> list[dict[str, Any]]:
+        """A call on the client's own connection, ended by the server at ``timeout`` or cut
+        off a second later."""
+        deadline = time.monotonic() + timeout
         with Cutoff(lambda: (self._conn,)) as cutoff:
-            cutoff.arm(self.timeout + _ANSWER_GRACE)
+            cutoff.arm(timeout + _ANSWER_GRACE)
             try:
                 with translated_errors():
                     return self._fetch_own(query, params)
             except psycopg.errors.QueryCanceled as exc:
                 if _ended_by_timeout(exc, deadline):
-                    raise DatabaseTimeout(_ended_message(self.timeout)) from exc
+                    raise DatabaseTimeout(_ended_message(timeout)) from exc
                 raise
             except psycopg.OperationalError as exc:
                 # cut off, or a connection that could not be made in time (libpq's
@@ -508,7 +544,7 @@ class Client:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        raise DatabaseTimeout(_unanswered_message(self.timeout)) from silence
+        raise DatabaseTimeout(_unanswered_message(timeout)) from silence
 
     def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, made again if it lost a serialization race
@@ -576,113 +612,146 @@ class Client:
         NOTIFY its finishing sends, with polling (every 0.5 s at most) as the fallback.
 
         Raises :class:`RunTimeout` after ``timeout`` seconds (also when the database stops
-        answering: its connections are cut off a second later), and :class:`InvalidState` as
-        soon as the run ended ``completed`` or ``cancelled`` when that is not a status waited
-        for (it can never reach one; a ``dead_letter`` run may still be retried).
-        """
+        answering: the wait's own connection is cut off a second later), and
+        :class:`InvalidState` as soon as the run ended ``completed`` or ``cancelled`` when that
+        is not a status waited for (it can never reach one; a ``dead_letter`` run may still be
+        retried). :meth:`close` ends it with ``psycopg.OperationalError``."""
         wanted, timeout = _wait_args(status, timeout)
-        if timeout is None:
-            return self._wait(run_id, wanted, None)
-        # a database that stops answering (the bytes acknowledged, so no TCP timeout notices)
-        # must not hold the caller past the timeout: the connections are cut off then
-        # (and a connection it opens meanwhile must not wait longer to be made)
-        self._connect_bound = {"connect_timeout": max(2, math.ceil(timeout + _ANSWER_GRACE))}
+        closes = self._closes
+        # the wait's connection, in a list: one the server ends is replaced under way
+        own = [self._take_wait_connection(timeout)]
+        in_order = False
         try:
-            with Cutoff(lambda: (self._conn, self._listener)) as cutoff:
-                cutoff.arm(timeout + _ANSWER_GRACE)
-                try:
-                    return self._wait(run_id, wanted, timeout)
-                except psycopg.Error as exc:
-                    if not cutoff.expired:
-                        raise
-                    self.close()
-                    raise RunTimeout(_silent_message(run_id, timeout)) from exc
+            if timeout is None:
+                run = self._wait(own, run_id, wanted, None, closes)
+            else:
+                run = self._wait_bounded(own, run_id, wanted, timeout, closes)
+            in_order = True
+            return run
+        except FlowlyError as exc:
+            # the wait's own verdict (its connection stopped listening), not a cut-off one
+            in_order = not isinstance(exc.__cause__, psycopg.Error)
+            raise
+        except psycopg.Error as exc:
+            if self._closes != closes:
+                raise _closed_error() from exc
+            raise
         finally:
-            self._connect_bound = _connect_bound(self.timeout)
+            self._give_back_wait_connection(own[0], in_order and self._closes == closes)
 
-    def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
-        run = self.get(run_id)
+    def _wait_bounded(self, own: list[psycopg.Connection[Any]], run_id: str,
+                      wanted: Collection[str], timeout: float, closes: int) -> Run:
+        """The wait with a timeout: a database that stops answering (the bytes acknowledged,
+        so no TCP timeout notices) must not hold the caller past it, so the wait's own
+        connection (no other) is cut off a second later."""
+        with Cutoff(lambda: own) as cutoff:
+            cutoff.arm(timeout + _ANSWER_GRACE)
+            try:
+                return self._wait(own, run_id, wanted, timeout, closes)
+            except psycopg.Error as exc:
+                if not cutoff.expired or self._closes != closes:
+                    raise
+                raise RunTimeout(_silent_message(run_id, timeout)) from exc
+
+    def _wait(self, own: list[psycopg.Connection[Any]], run_id: str, wanted: Collection[str],
+              timeout: float | None, closes: int) -> Run:
+        run = self._read_run(own[0], run_id)
         if _reached(run, wanted):
             return run
-        pauses = _poll_pauses(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        listener: psycopg.Connection[Any] | None = self._listen()
+        self._listen_on(own[0])
         try:
-            while True:
-                # read again once listening: a finish before the LISTEN notified nobody here
-                run = self.get(run_id)
-                if _reached(run, wanted):
-                    break
-                pause = next(pauses, None)
-                if pause is None:
-                    served = (self.is_served(run.workflow, run.queue)
-                              if run.status == "pending" else None)
-                    raise RunTimeout(_timeout_message(run, timeout, served))
-                assert listener is not None
-                try:
-                    _until_finished(listener, run_id, pause)
-                except psycopg.OperationalError:
-                    # past the deadline it was the Cutoff that closed it (wait's timeout)
-                    if not listener.closed or (deadline is not None
-                                               and time.monotonic() >= deadline):
-                        raise
-                    # the server ended it (idle_session_timeout ends a listener that waits
-                    # longer, as does a pooler or a restart): listen anew, read again
-                    self._stop_listening(listener, orderly=False)
-                    listener = None  # stopped once, whatever listening anew does
-                    listener = self._listen()
-        except BaseException as exc:
-            if listener is not None:
-                self._stop_listening(listener, orderly=isinstance(exc, RunTimeout))
+            run = self._watch(own, run_id, wanted, timeout, closes)
+        except FlowlyError:  # RunTimeout, InvalidState: the connection is sound
+            own[0].execute(_UNLISTEN)
             raise
-        assert listener is not None
-        self._stop_listening(listener, orderly=True)
+        own[0].execute(_UNLISTEN)
         return run
 
-    def _listen(self) -> psycopg.Connection[Any]:
-        """The listener connection (opened on first use), listening for finished runs: the
-        first of the waits under way tells it to (see _UNLISTEN)."""
-        listener = self._listener
-        opened = listener is None or listener.closed or not (self._waits or still_open(listener))
-        if opened:
-            if listener is not None:
-                listener.close()
-            listener = self._listener = psycopg.connect(self.dsn, autocommit=True, **_CONNECT,
-                                                        **self._connect_bound)
-            adapt_connection(listener)
-        assert listener is not None
-        if opened or not self._waits:
+    def _watch(self, own: list[psycopg.Connection[Any]], run_id: str, wanted: Collection[str],
+               timeout: float | None, closes: int) -> Run:
+        """Read the run at every NOTIFY of a finished run, or pause of the polling, until it
+        reached a wanted status; RunTimeout at the timeout."""
+        pauses = _poll_pauses(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closes != closes:  # a connection made as close() came
+                raise _closed_error()
+            # read again once listening: a finish before the LISTEN notified nobody here
+            run = self._read_run(own[0], run_id)
+            if _reached(run, wanted):
+                break
+            pause = next(pauses, None)
+            if pause is None:
+                served = (bool(self._fetch(self.calls.is_served, (run.workflow, run.queue),
+                                           own[0])[0]["exists"])
+                          if run.status == "pending" else None)
+                raise RunTimeout(_timeout_message(run, timeout, served))
             try:
-                if self._listen_statement is None:
-                    row = listener.execute(self.calls.finished_channel).fetchone()
-                    assert row is not None
-                    self._listen_statement = listen_to(row[0])
-                listener.execute(self._listen_statement)
-            except BaseException:
-                if not self._waits:
-                    self._drop_listener()
-                raise
-        self._waits += 1
-        return listener
+                _until_finished(own[0], run_id, pause)
+            except psycopg.OperationalError:
+                # shut down by close(), or past the deadline by the wait's Cutoff; else the
+                # server ended it (idle_session_timeout ends a listener that waits longer,
+                # as does a pooler or a restart): listen anew, read again
+                if (self._closes != closes or not own[0].closed
+                        or (deadline is not None and time.monotonic() >= deadline)):
+                    raise
+                own[0] = self._replace_wait_connection(own[0], timeout)
+                self._listen_on(own[0])
+        return run
 
-    def _stop_listening(self, listener: psycopg.Connection[Any], orderly: bool) -> None:
-        """The end of one wait: the last of those under way tells the listener to stop, or
-        closes it when the wait ended in disorder (cut off: it may hang, or still listen)."""
-        self._waits -= 1
-        if self._waits or listener is not self._listener:
-            return
-        if orderly:
-            try:
-                listener.execute(_UNLISTEN)
+    def _read_run(self, conn: psycopg.Connection[Any], run_id: str) -> Run:
+        rows = self._fetch(self.calls.get_run, (_run_id(run_id),), conn)
+        if not rows:
+            raise RunNotFound(f"run {run_id} not found")
+        return _from_row(Run, rows[0])  # type: ignore[no-any-return]
+
+    def _listen_on(self, conn: psycopg.Connection[Any]) -> None:
+        """LISTEN for finished runs on a wait's connection (see _UNLISTEN)."""
+        if self._listen_statement is None:
+            row = conn.execute(self.calls.finished_channel).fetchone()
+            assert row is not None
+            self._listen_statement = listen_to(row[0])
+        conn.execute(self._listen_statement)
+
+    def _take_wait_connection(self, timeout: float | None) -> psycopg.Connection[Any]:
+        """An idle wait connection still open, or a new one: made within about ``timeout``
+        (libpq counts whole seconds) so that a database that hangs does not hold the wait
+        past it."""
+        with self._wait_conns:
+            while self._idle_waits:
+                conn = self._idle_waits.pop()
+                if still_open(conn):
+                    self._busy_waits.add(conn)
+                    return conn
+                conn.close()
+        bound = (_connect_bound(self.timeout) if timeout is None
+                 else {"connect_timeout": max(2, math.ceil(timeout + _ANSWER_GRACE))})
+        conn = psycopg.connect(self.dsn, autocommit=True, **_CONNECT, **bound)
+        adapt_connection(conn)
+        with self._wait_conns:
+            self._busy_waits.add(conn)
+        try:
+            set_up_session(conn)
+        except BaseException:
+            self._give_back_wait_connection(conn, False)
+            raise
+        return conn
+
+    def _give_back_wait_connection(self, conn: psycopg.Connection[Any], reusable: bool) -> None:
+        """The end of a wait: its connection, no longer listening, is kept for the next one;
+        closed when the wait ended in disorder (cut off: it may hang, or still listen) or
+        the client was closed meanwhile."""
+        with self._wait_conns:
+            self._busy_waits.discard(conn)
+            if reusable and not conn.closed:
+                self._idle_waits.append(conn)
                 return
-            except psycopg.Error:
-                pass
-        self._drop_listener()
+        conn.close()
 
-    def _drop_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
+    def _replace_wait_connection(self, conn: psycopg.Connection[Any],
+                                 timeout: float | None) -> psycopg.Connection[Any]:
+        self._give_back_wait_connection(conn, False)
+        return self._take_wait_connection(timeout)
 
     def cancel(self, run_id: str) -> str:
         """Cancel an unfinished run; returns its status afterwards."""
@@ -792,10 +861,16 @@ class AsyncClient:
         self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._bounded: psycopg.AsyncConnection[Any] | None = None
+        # the waits read here, not on self._conn, where they could queue behind a call held
+        # up by a lock (one task's wait must end at its timeout, and no other task's call)
+        self._reader: psycopg.AsyncConnection[Any] | None = None
         self._listener: psycopg.AsyncConnection[Any] | None = None
         self._listen_statement: sql.Composed | None = None
         self._waits = 0  # waits under way that listen on self._listener
         self._listening = asyncio.Lock()
+        # the event loop the connections and the lock above belong to
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closes = 0  # close() calls so far: a wait under way when it grows ends
         self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -805,10 +880,28 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for conn in (self._conn, self._listener):
+        """See :meth:`Client.close`."""
+        self._closes += 1
+        await self._drop_connections()
+
+    async def _drop_connections(self) -> None:
+        conns = (self._conn, self._reader, self._listener)
+        self._conn = self._reader = self._listener = None
+        for conn in conns:
             if conn is not None:
                 await conn.close()
-        self._conn = self._listener = None
+
+    async def _follow_loop(self) -> None:
+        """Connections made in an event loop that has ended (``asyncio.run`` called again
+        with this client, as tests and command lines do) belong to it, as does the lock of the
+        waits: make new ones in the running loop. Closing the old ones needs no loop."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        self._loop = loop
+        self._listening = asyncio.Lock()
+        self._waits = 0  # those of the old loop ended with it
+        await self._drop_connections()
 
     async def _fetch(self, query: Any, params: Any,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
@@ -827,16 +920,16 @@ class AsyncClient:
                 raise DatabaseTimeout(_ended_message(self.timeout)) from exc
             raise
         except TimeoutError as exc:
+            # the call was cancelled: psycopg closed the connection under a call that did not
+            # end (the next call opens another); a call queued behind another one's on it
+            # leaves it to that one
             if isinstance(exc, FlowlyError):
                 raise
-            if self._conn is not None:
-                with contextlib.suppress(psycopg.Error, OSError):
-                    await self._conn.close()
-                self._conn = None
             raise DatabaseTimeout(_unanswered_message(self.timeout)) from exc
 
     async def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, opened if need be."""
+        await self._follow_loop()
         with translated_errors():
             conn = self._conn
             if conn is None or not still_open(conn):
@@ -905,38 +998,70 @@ class AsyncClient:
     ) -> Run:
         """See :meth:`Client.wait`."""
         wanted, timeout = _wait_args(status, timeout)
-        if timeout is None:
-            return await self._wait(run_id, wanted, None)
+        await self._follow_loop()
+        closes = self._closes
         try:
-            return await within(timeout + _ANSWER_GRACE, self._wait(run_id, wanted, timeout))
-        except TimeoutError as exc:
-            if isinstance(exc, FlowlyError):  # RunTimeout, or DatabaseTimeout of one call
-                raise
-            await self.close()
-            raise RunTimeout(_silent_message(run_id, timeout)) from exc
+            if timeout is None:
+                return await self._wait(run_id, wanted, None, closes)
+            try:
+                return await within(timeout + _ANSWER_GRACE,
+                                    self._wait(run_id, wanted, timeout, closes))
+            except TimeoutError as exc:
+                # cancelled: psycopg closed the wait's connection if its call did not end
+                if isinstance(exc, FlowlyError):  # RunTimeout, or DatabaseTimeout of one call
+                    raise
+                raise RunTimeout(_silent_message(run_id, timeout)) from exc
+        except psycopg.Error as exc:
+            if self._closes != closes:
+                raise _closed_error() from exc
+            raise
 
-    async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
+    async def _read(self, query: Any, params: Any, closes: int) -> list[dict[str, Any]]:
+        """A read of a wait, on the waits' connection (opened if need be, unless the client
+        was closed since the wait began)."""
+        if self._closes != closes:
+            raise _closed_error()
+        conn = self._reader
+        if conn is None or not still_open(conn):
+            if conn is not None:
+                await conn.close()
+            conn = self._reader = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, **_CONNECT, **_connect_bound(self.timeout))
+            adapt_connection(conn)
+            await set_up_session_async(conn)
+        return await self._fetch(query, params, conn)
+
+    async def _read_run(self, run_id: str, closes: int) -> Run:
+        rows = await self._read(self.calls.get_run, (_run_id(run_id),), closes)
+        if not rows:
+            raise RunNotFound(f"run {run_id} not found")
+        return _from_row(Run, rows[0])  # type: ignore[no-any-return]
+
+    async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None,
+                    closes: int) -> Run:
         """See :meth:`Client._wait`."""
-        run = await self.get(run_id)
+        run = await self._read_run(run_id, closes)
         if _reached(run, wanted):
             return run
         pauses = _poll_pauses(timeout)
         listener: psycopg.AsyncConnection[Any] | None = await self._listen()
         try:
             while True:
-                run = await self.get(run_id)
+                run = await self._read_run(run_id, closes)
                 if _reached(run, wanted):
                     break
                 pause = next(pauses, None)
                 if pause is None:
-                    served = (await self.is_served(run.workflow, run.queue)
+                    served = (bool((await self._read(self.calls.is_served,
+                                                     (run.workflow, run.queue),
+                                                     closes))[0]["exists"])
                               if run.status == "pending" else None)
                     raise RunTimeout(_timeout_message(run, timeout, served))
                 assert listener is not None
                 try:
                     await _until_finished_async(listener, run_id, pause)
                 except psycopg.OperationalError:
-                    if not listener.closed:
+                    if not listener.closed or self._closes != closes:
                         raise
                     await self._stop_listening(listener, orderly=False)
                     listener = None
@@ -950,8 +1075,10 @@ class AsyncClient:
         return run
 
     async def _listen(self) -> psycopg.AsyncConnection[Any]:
-        """See :meth:`Client._listen`. Waits gathered on one client take turns here, so they
-        share one listener and its LISTEN and UNLISTEN come in order."""
+        """The listener connection (opened on first use), listening for finished runs: the
+        first of the waits under way tells it to (see _UNLISTEN). Waits gathered on one client
+        take turns here, so they share one listener and its LISTEN and UNLISTEN come in
+        order."""
         async with self._listening:
             listener = self._listener
             opened = (listener is None or listener.closed
@@ -980,7 +1107,8 @@ class AsyncClient:
 
     async def _stop_listening(self, listener: psycopg.AsyncConnection[Any],
                               orderly: bool) -> None:
-        """See :meth:`Client._stop_listening`."""
+        """The end of one wait: the last of those under way tells the listener to stop, or
+        closes it when the wait ended in disorder (cut off: it may hang, or still listen)."""
         async with self._listening:
             self._waits -= 1
             if self._waits or listener is not self._listener:
