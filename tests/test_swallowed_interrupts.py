@@ -30,6 +30,13 @@ def _at(run_id: str, what: str) -> float:
     return next(at for name, at in LOG[run_id] if name == what)
 
 
+def _run_to_its_end(dsn: str, client: flowly.Client, workflow: str) -> tuple[str, flowly.Run]:
+    """Start a run of ``workflow`` and serve it until it finished."""
+    run_id = client.start(workflow, None)
+    with running_worker(dsn):
+        return run_id, client.wait(run_id, timeout=20)
+
+
 @flowly.workflow("swallows_sleep")
 async def swallows_sleep(ctx: flowly.Context, inp: Any) -> Any:
     await ctx.step("first", _note, ctx.run_id, "first")
@@ -44,9 +51,7 @@ def test_a_step_after_a_swallowed_sleep_waits_out_the_sleep(
     dsn: str, client: flowly.Client
 ) -> None:
     """Without the fix the step after the sleep ran at once and the run completed 1 s early."""
-    run_id = client.start("swallows_sleep", None)
-    with running_worker(dsn):
-        run = client.wait(run_id, timeout=20)
+    run_id, run = _run_to_its_end(dsn, client, "swallows_sleep")
     assert run.status == "completed" and run.output == "after", (run.status, run.error)
     assert _events(run_id) == ["first", "swallowed", "after"]
     assert _at(run_id, "after") - _at(run_id, "first") >= 1.0
@@ -64,9 +69,7 @@ async def returns_in_a_sleep(ctx: flowly.Context, inp: Any) -> Any:
 def test_a_body_that_returns_from_a_swallowed_sleep_completes_after_the_sleep(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any]
 ) -> None:
-    run_id = client.start("returns_in_a_sleep", None)
-    with running_worker(dsn):
-        run = client.wait(run_id, timeout=20)
+    run_id, run = _run_to_its_end(dsn, client, "returns_in_a_sleep")
     assert run.status == "completed" and run.output == "slept", (run.status, run.output)
     assert scalar(db, "select extract(epoch from finished_at - started_at) from flowly.runs"
                       " where id = %s", run_id) >= 1.0
@@ -114,9 +117,7 @@ async def swallows_retry(ctx: flowly.Context, inp: Any) -> Any:
 def test_a_body_that_swallows_a_step_s_retry_gets_the_retried_step_s_output(
     dsn: str, client: flowly.Client
 ) -> None:
-    run_id = client.start("swallows_retry", None)
-    with running_worker(dsn):
-        run = client.wait(run_id, timeout=20)
+    run_id, run = _run_to_its_end(dsn, client, "swallows_retry")
     assert run.status == "completed" and run.output == "second try", (run.status, run.output)
     assert _events(run_id) == ["try", "try"]
 
@@ -138,9 +139,7 @@ async def swallows_a_final_failure(ctx: flowly.Context, inp: Any) -> Any:
 def test_a_body_that_swallows_a_final_failure_is_compensated_and_ships_nothing(
     dsn: str, client: flowly.Client
 ) -> None:
-    run_id = client.start("swallows_a_final_failure", None)
-    with running_worker(dsn):
-        run = client.wait(run_id, timeout=20)
+    run_id, run = _run_to_its_end(dsn, client, "swallows_a_final_failure")
     assert run.status == "dead_letter" and run.compensation_ok, (run.status, run.error)
     assert _events(run_id) == ["book", "unbook"]
 
