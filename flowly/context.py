@@ -41,8 +41,9 @@ ISOLATION_LEVELS: tuple[Isolation, ...] = ("read committed", "repeatable read", 
 class Interrupt(BaseException):
     """Ends a workflow body early on purpose; the worker knows what each kind means.
 
-    A body that catches one anyway (a bare ``except:``) is still ended: every later ``ctx``
-    call raises it again, and the worker acts on it however the body ended."""
+    A body that catches one anyway (a bare ``except:``) is still ended: the later ``ctx``
+    calls of the task that caught it raise it again, and the worker acts on it however the
+    body ended."""
 
     def again(self) -> Interrupt:
         """The same interrupt, raised anew (each raise adds to an instance's traceback)."""
@@ -392,11 +393,6 @@ class Context:
         self._interrupts: dict[asyncio.Task[Any] | None, Interrupt] = {}
         # set once the body ended: a call from a task it left running starts nothing
         self._ended: Interrupt | None = None
-
-    @property
-    def compensating(self) -> bool:
-        """Whether the run's saga must run (a step failed for good)."""
-        return self._halted == "compensate"
 
     @property
     def decided(self) -> str | None:
