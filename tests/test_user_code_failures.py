@@ -397,3 +397,31 @@ def test_a_hung_sync_call_of_a_cancelled_run_does_not_trap_the_next_run(
         assert scalar(db, "select locked_by is null from flowly.runs where id = %s", innocent)
     finally:
         _HUNG_CALL.set()
+
+
+@flowly.workflow("ucf_compensation_cancels_itself", max_attempts=1)
+async def ucf_compensation_cancels_itself(ctx: flowly.Context, inp: Any) -> Any:
+    async def undo(_: Any) -> None:
+        LOG[ctx.run_id].append("undo")
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(1)
+
+    def decline() -> None:
+        raise ValueError("declined")
+
+    await ctx.step("book", lambda: "booked", compensate=undo)
+    await ctx.step("pay", decline, retry=flowly.Retry(max_attempts=1))
+
+
+def test_a_compensation_that_cancels_its_own_task_fails_instead_of_looping(
+    dsn: str, client: flowly.Client
+) -> None:
+    """The compensation's twin of the case above: its CancelledError was taken for a stop of
+    the worker's, and the run, left to its lease, was compensated again and again."""
+    run_id = client.start("ucf_compensation_cancels_itself", None)
+    with running_worker(dsn, lease=2):
+        run = client.wait(run_id, timeout=20)
+    assert (run.status, run.compensation_ok) == ("dead_letter", False), run
+    assert LOG[run_id] == ["undo"]

@@ -1157,13 +1157,8 @@ class Worker:
         except Interrupt:
             return "done"
         except BaseException as exc:  # the body itself failed: the database decides what next
-            if cancel_requested(exc):
-                if held.stopped is not None:  # this worker stopped the run
-                    raise
-                # the body cancelled its own task (a step's current_task().cancel()) and let
-                # the CancelledError out: taken for a stop, the run was left to its lease and
-                # claimed again, for ever, never counted as an attempt
-                _forget_cancellation()
+            if _stopped_here(held, exc):
+                raise
             if (decided := await _settled_decision(ctx)) is not None:
                 return decided  # a step that failed meanwhile decided first
             return await self._fail_run(held, exc, not isinstance(exc, NOT_RETRYABLE))
@@ -1221,7 +1216,7 @@ class Worker:
                 except (LeaseLostInterrupt, RunAbandoned):
                     raise
                 except BaseException as exc:  # one failing compensation must not stop the rest
-                    if cancel_requested(exc):
+                    if _stopped_here(held, exc):
                         raise
                     error = error_info(exc)
                     logger.warning("compensation of step %r in run %s failed: %s",
@@ -1257,12 +1252,20 @@ class Worker:
         return rows[0]
 
 
-def _forget_cancellation() -> None:
-    """Withdraw the cancellation requests of the running task, so that it can go on to write
-    what ended it (a body that cancelled itself)."""
+def _stopped_here(held: _Held, exc: BaseException) -> bool:
+    """Whether ``exc`` is this worker stopping the run's execution (Held.stop). A cancellation
+    of the running task that user code asked for (a step's or a compensation's
+    ``current_task().cancel()``) is withdrawn instead, so that it fails what asked for it:
+    taken for a stop, it left the run to its lease, to be claimed again and cancel itself
+    again, for ever, never counted as an attempt."""
+    if not cancel_requested(exc):
+        return False
+    if held.stopped is not None:
+        return True
     task = asyncio.current_task()
     while task is not None and task.uncancel() > 0:
         pass
+    return False
 
 
 async def _settled_decision(ctx: Context) -> str | None:
