@@ -329,15 +329,27 @@ def test_worker_functions_refuse_arguments_that_would_unprotect_a_run(
     ("flowly.offer_slot('w', null, array['default'], '1 minute', 'c')", "workflows"),
     ("flowly.offer_slot('w', array['quick'], null, '1 minute', 'c')", "queues"),
     ("flowly.claim_and_offer('w', array['quick'], null, 1, '1 minute', 'c')", "queues"),
+    ("flowly.claim_and_offer(null, array['quick'], array['default'], 1, '1 minute', 'c')",
+     "worker"),
+    ("flowly.claim(null, array['quick'], array['default'], 1, '1 minute')", "worker"),
+    ("flowly.claim('w', null, array['default'], 1, '1 minute')", "workflows"),
+    ("flowly.claim('w', array['quick'], null, 1, '1 minute')", "queues"),
+    ("flowly.heartbeat(null, array['r'], array[1::bigint], '1 minute')", "worker"),
 ])
 def test_worker_functions_name_a_null_argument(
     db: psycopg.Connection[Any], call: str, named: str
 ) -> None:
     """A NULL worker, workflow list or queue list is an invalid argument that names itself
-    (WF003), not the raw not-null violation of the row it would have written (23502)."""
+    (WF003), not the raw not-null violation of the row it would have written (23502). claim
+    read a NULL list as an empty one and claimed nothing, and a NULL worker as a name: the
+    run it claimed was held by nobody; heartbeat extended the leases of a NULL worker's
+    runs. The due run is left as it was."""
+    db.execute("select flowly.start('quick', run_id => 'r')")
     with pytest.raises(psycopg.Error, match=f"^{named} must not be null") as refused:
         db.execute(f"select * from {call}")
     assert refused.value.sqlstate == "WF003"
+    assert db.execute("select status, locked_by, locked_until from flowly.runs").fetchone() == (
+        "pending", None, None)
 
 
 @pytest.mark.parametrize("call", [

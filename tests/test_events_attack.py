@@ -582,6 +582,26 @@ def test_event_names_empty_too_long_or_with_nul_are_refused_storing_nothing(
     assert [e[1] for e in _events(db, "r")] == ["é" * 500]
 
 
+def test_an_event_for_a_null_run_id_is_refused_naming_the_argument(
+    client: flowly.Client, db: psycopg.Connection[Any]
+) -> None:
+    """send_event(NULL, ...) from SQL said "run <NULL> not found" (WF002), as for a run that
+    is gone: it is an invalid argument (WF003) that names run_id, as a NULL name names the
+    event name. From Python, None is refused before the database as an invalid argument."""
+    _start_sql(db, "r")
+    with pytest.raises(psycopg.Error, match=r"^run_id must not be null") as info:
+        db.execute("select flowly.send_event(null, 'go', '1')")
+    assert info.value.sqlstate == "WF003"
+    with pytest.raises(psycopg.Error, match=r"^event name must be a non-empty text") as info:
+        db.execute("select flowly.send_event('r', null, '1')")
+    assert info.value.sqlstate == "WF003"
+    with pytest.raises(flowly.InvalidArgument, match="run_id must be a string, got NoneType"):
+        client.send_event(None, "go", 1)  # type: ignore[arg-type]
+    with pytest.raises(flowly.InvalidArgument, match="event name must be a string, got NoneType"):
+        client.send_event("r", None, 1)  # type: ignore[arg-type]
+    assert _events(db, "r") == []
+
+
 # -- more races ---------------------------------------------------------------------------------
 
 def test_parallel_waits_for_one_name_take_distinct_events(

@@ -314,6 +314,31 @@ def test_runs_that_must_not_be_handed_off_go_the_claim_way(
     assert scalar(db, "select count(*) from flowly.handoff_slots") == 0
 
 
+def test_a_run_started_from_sql_with_a_null_input_is_handed_off_as_json_null(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
+    """``select flowly.start('wf', null)`` stores the input JSON null, as 'null'::jsonb does,
+    but start measured the SQL NULL for the NOTIFY payload: its size was NULL, the run was not
+    handed off and waited for the worker's wake-up to be claimed. Both now go to the idle
+    worker: to a slot offered by hand (the run is leased to it in the start's transaction),
+    and to a running worker, which completes it without a claim of its own."""
+    for run_input in ("null", "'null'::jsonb"):
+        offer_as(db, "ghost", "echo", "1 hour")
+        run_id = scalar(db, f"select flowly.start('echo', {run_input})")
+        assert db.execute("select locked_by, started_at = created_at, input from flowly.runs"
+                          " where id = %s", (run_id,)).fetchone() == ("ghost", True, None), (
+            run_input)
+    db.execute("delete from flowly.runs")
+    db.execute("select flowly.unregister_worker('ghost')")
+    with running_worker(dsn, workflows=["quick"], poll_interval=5) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        run_id = scalar(db, "select flowly.start('quick', null)")
+        assert scalar(db, "select locked_by from flowly.runs where id = %s",
+                      run_id) == worker.worker_id
+        run = client.wait(run_id, timeout=10)
+    assert run.status == "completed" and run.output == {"input": None, "total": 3}
+    assert handed_off(db, run_id)
+
+
 def test_a_start_of_a_run_already_handed_off_sends_nothing_and_leaves_the_slot_offered(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
     """A start takes a slot before it knows whether it can write its run; one that finds its

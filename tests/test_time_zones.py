@@ -7,7 +7,8 @@ an application sets it for its own sessions) does not move flowly's times:
   86,400 s across a spring-forward ended after 82,800 s;
 - a timeout given from SQL counts its days as 24 hours and its months as calendar months in
   UTC, through start and through a hand-off to an idle worker;
-- ``purge``'s age and the worker's lease count seconds too;
+- ``purge``'s age and the worker's lease count seconds too; given from SQL, an age counts
+  as a timeout from SQL does and a lease as the seconds it compares to;
 - start checks where a timeout ends, not its length read with a month as 30 days: ``'1 month'``
   from 9999-12-01 ended in the year 10000 (every listing then failed to read the run), and
   ``'1 mon -29 days'`` from 2027-02-01 ended a day before the run was due.
@@ -136,6 +137,54 @@ def test_purge_counts_an_age_in_seconds_across_dst(
     with flowly.Client(dsn) as client:
         assert client.purge(2 * DAY) == 1
     assert [r[0] for r in db.execute("select id from flowly.runs")] == ["younger"]
+
+
+def test_purge_from_sql_counts_an_age_s_days_as_24_hours_and_months_in_utc_across_dst(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    """``select flowly.purge('2 days')`` in a session whose zone moved its clocks forward
+    yesterday purged the runs finished over 47 hours ago: PostgreSQL subtracted calendar days
+    of the zone. An age from SQL counts as start's timeout does (0070): days of 24 hours,
+    months of UTC's calendar."""
+    _time_zone(db, _zone_changing_in(db, -1))
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, created_at, finished_at)
+        select id, 'wf', 'completed', finished_at, finished_at
+        from (values ('days-older', now() - interval '48:30:00'),
+                     ('days-younger', now() - interval '47:30:00'),
+                     ('month-older', now() - interval '1 month' - interval '30 minutes'),
+                     ('month-younger', now() - interval '1 month' + interval '30 minutes'))
+             as r (id, finished_at)""")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert scalar(conn, "select flowly.purge('1 month')") == 1
+        assert scalar(conn, "select flowly.purge('2 days')") == 2
+    assert [r[0] for r in db.execute("select id from flowly.runs")] == ["days-younger"]
+
+
+def test_a_lease_of_a_day_given_from_sql_lasts_24_hours_across_dst(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    """A worker that calls flowly's functions from SQL with a lease of '1 day' held its run,
+    its slot and its liveness for 23 hours when the session's zone moved its clocks forward
+    within the day: the lease's day was a calendar day of the zone. Each now lasts 24 hours."""
+    _time_zone(db, _zone_changing_in(db, 1))
+    db.execute("select flowly.start('tz_unserved', run_id => 'r')")
+    day = timedelta(days=1)
+    with psycopg.connect(dsn) as conn:
+        conn.execute("select flowly.register_worker('w', array['tz_unserved'], array['default'],"
+                     " '1 day')")
+        assert scalar(conn, "select last_seen_at + lease - last_seen_at from flowly.workers") == day
+        conn.commit()
+        epoch = scalar(conn, "select lease_epoch from flowly.claim_and_offer('w',"
+                             " array['tz_unserved'], array['default'], 2, '1 day', 'w_channel')")
+        assert scalar(conn, "select locked_until - now() from flowly.runs") == day
+        assert scalar(conn, "select expires_at - now() from flowly.handoff_slots") == day
+        conn.commit()
+        conn.execute("select * from flowly.heartbeat('w', array['r'], array[%s], '1 day')",
+                     (epoch,))
+        assert scalar(conn, "select locked_until - now() from flowly.runs") == day
+        conn.commit()
+        conn.execute("select flowly.offer_slot('w', array['tz_unserved'], array['default'],"
+                     " '1 day', 'w_other_channel')")
+        assert scalar(conn, "select expires_at - now() from flowly.handoff_slots") == day
 
 
 def test_a_worker_s_lease_of_a_day_lasts_a_day_across_dst(

@@ -337,6 +337,33 @@ def test_a_workflow_name_too_long_for_digest_ids_is_refused(db: psycopg.Connecti
     assert run_ids(db) == ["w" * 990 + ":a"]
 
 
+@pytest.mark.parametrize(("call", "message"), [
+    ("flowly.key_run_id('bill', null, '{\"id\": 1}', 'psql')",
+     "psql: key columns must be a non-empty list of column names, got null"),
+    ("flowly.key_run_id('bill', '{}', '{\"id\": 1}', 'psql')",
+     "psql: key columns must be a non-empty list of column names, got {}"),
+    ("flowly.key_run_id('bill', array[null], '{\"id\": 1}', 'psql')",
+     "psql: key columns must be a non-empty list of column names, got {NULL}"),
+    ("flowly.key_run_id(null, array['id'], '{\"id\": 1}', 'psql')",
+     "psql: workflow must not be null"),
+    ("flowly.key_run_id('bill', array['id'], null, 'psql')", "psql: input must not be null"),
+    ("flowly.key_run_id('bill', array['id'], '{}', null)",
+     'key_run_id: the row has no column "id"'),
+    ("flowly.trigger_run_id(null, 'f1', row(1))", "trigger_run_id: workflow must not be null"),
+    ("flowly.trigger_run_id('bill', 'id', null::int)", "trigger_run_id: input must not be null"),
+])
+def test_a_run_id_asked_for_with_a_null_argument_is_refused_naming_it(
+        db: psycopg.Connection[Any], call: str, message: str) -> None:
+    """key_run_id (which trigger_run_id calls, and callers may call) failed with a raw 22004
+    ("FOREACH expression must not be null") for a NULL column list, returned a NULL id for a
+    NULL workflow or an empty list, and blamed a column for a NULL input. Each is WF003 that
+    names the argument, prefixed with the caller's name (key_run_id's own if it gives none)."""
+    with pytest.raises(psycopg.Error) as refused:
+        db.execute(f"select {call}")
+    assert refused.value.sqlstate == "WF003", refused.value
+    assert str(refused.value).startswith(message), refused.value
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_row_whose_json_cannot_be_built_fails_the_insert(db: psycopg.Connection[Any],
                                                            level: str) -> None:
