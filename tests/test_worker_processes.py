@@ -129,7 +129,7 @@ def test_a_run_that_kills_every_worker_ends_as_poison_and_the_others_serve_on(
     """A step that ends its worker's process (os._exit(3), as a C library's exit would) is not
     a worker that cannot start: each worker it kills is replaced, the run ends as poison, and
     the supervisor never stops serving the other runs."""
-    with _supervisor(dsn, "--lease", "0.5") as supervisor:
+    with _supervisor(dsn, "--lease", "1") as supervisor:
         wait_for(lambda: len(_serving(db, supervisor)) == 2, what="two workers registered")
         run_id = client.start("kills_its_worker", None)
         run = client.wait(run_id, timeout=90)
