@@ -28,7 +28,7 @@ from .errors import (
     StepOutputNotSerializable,
     WorkflowCodeError,
 )
-from .replay import UNREAD, ReplayLog, StoredStep, StoredTimer
+from .replay import UNREAD, Entry, ReplayLog, StoredStep, StoredTimer
 from .retry import Retry
 from .user_tasks import user_code
 from .workflow import START_OPTIONS, Workflow, WorkflowFn, is_async, lookup
@@ -313,6 +313,12 @@ class _DefaultName:
         self.body_wide = body_wide
 
 
+# the call each kind of record comes from, as an error names it
+_KIND_CALLS = {"step": "a step", "transaction": "a transaction", "timer": "a sleep",
+               "start": "a child's start", "event": "a wait for an event",
+               "run": "a wait for a run"}
+
+
 def _record_name(kind: str, key: str) -> str:
     """The step name under which a run records what it observed (a child it started, an
     event, another run's outcome): readable, or a digest of ``key`` when too long."""
@@ -435,6 +441,22 @@ class Context:
         self._names_used.add(name)
         return len(self._names_used)
 
+    def _replayed(self, name: str, entry: Entry | None, kind: str) -> Entry | None:
+        """The record of ``name``, if any, once it is known that the same kind of call made it.
+
+        Records of every kind share one name space (a step "x" and a sleep "x", a step
+        "event:go" and the wait for event "go"). A body that reaches a recorded name with
+        another kind of call than its earlier executions did (new code deployed under a run
+        in flight, a branch on something not recorded) would otherwise be handed the other
+        call's record, or write a second one beside it: a mistake of the code, which every
+        attempt would make again."""
+        if entry is None or entry.kind == kind:
+            return entry
+        raise WorkflowCodeError(
+            f"record {name!r} of run {self.run_id} was recorded by {_KIND_CALLS[entry.kind]},"
+            f" but the workflow now reaches it as {_KIND_CALLS[kind]}: a replay must make"
+            " the same kind of call under a name as the run's earlier executions did")
+
     def _track(self, label: str, coroutine: Coroutine[Any, Any, T]) -> Awaitable[T]:
         call = _Call(label, coroutine)
         self._calls.append(call)
@@ -534,6 +556,12 @@ class Context:
         stored = self.history.peek(name)  # no call, and no await, for a run's new steps
         if stored is UNREAD:
             stored = await self._write(lambda: self.history.get(name))
+        try:
+            stored = self._replayed(name, stored, kind)
+        except WorkflowCodeError:
+            # the saga must not call this compensation for the other kind of record
+            self.compensations.pop(name, None)
+            raise
         if isinstance(stored, StoredStep):
             if stored.status == "completed":
                 return stored.output
@@ -658,7 +686,7 @@ class Context:
 
     async def _sleep(self, name: str, wake_at: datetime | None, seconds: float | None) -> None:
         position = self._claim_name(name)
-        timer = await self._write(lambda: self.history.get(name))
+        timer = self._replayed(name, await self._write(lambda: self.history.get(name)), "timer")
         if isinstance(timer, StoredTimer) and timer.due:
             return
         await self._stop_if_ended()
@@ -724,7 +752,8 @@ class Context:
         child_id = run_id or await self._named(default_id)
         record = _record_name("start", child_id)
         position = self._claim_name(record)
-        stored = await self._write(lambda: self.history.get(record))
+        stored = self._replayed(record, await self._write(lambda: self.history.get(record)),
+                                "start")
         if isinstance(stored, StoredStep):
             return str(stored.output)
         await self._stop_if_ended()
@@ -799,7 +828,8 @@ class Context:
         answers ``register``; a wait that must go on parks the run (WaitInterrupt)."""
         record = await self._named(name)
         position = self._claim_name(record)
-        stored = await self._write(lambda: self.history.get(record))
+        stored = self._replayed(record, await self._write(lambda: self.history.get(record)),
+                                kind)
         if isinstance(stored, StoredStep):
             recorded: dict[str, Any] = stored.output
             return recorded

@@ -14,12 +14,13 @@ import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
 class StoredStep:
-    """A step outcome as the database holds it (``kind`` 'start' records a child's id)."""
+    """A step outcome as the database holds it; ``kind`` is the call that recorded it:
+    'step', 'transaction', 'start' (a child's id), 'event' or 'run' (a wait's outcome)."""
 
     status: str
     output: Any
@@ -36,6 +37,7 @@ class StoredTimer:
 
     wake_at: datetime
     due: bool
+    kind: ClassVar[str] = "timer"
 
 
 Entry = StoredStep | StoredTimer

@@ -166,8 +166,8 @@ def test_a_step_that_kills_every_worker_ends_as_poison_not_a_crash_loop(
     limit = scalar(db, "select flowly.max_takeovers()")
     deaths = 0
     for _ in range(limit + 1):  # the first claim and `limit` takeovers each kill a worker
-        with worker_process(dsn, "--lease", "0.3") as worker:
-            # on a loaded machine a worker may also lose its 0.3 s lease before the step
+        with worker_process(dsn, "--lease", "1") as worker:
+            # on a loaded machine a worker may also lose its 1 s lease before the step
             # starts and take the run over again: a takeover without a death, so the run is
             # poison after fewer deaths, and a later worker finds it so and lives
             wait_for(lambda: worker.proc.poll() is not None
@@ -180,7 +180,7 @@ def test_a_step_that_kills_every_worker_ends_as_poison_not_a_crash_loop(
     else:
         assert client.get(run_id).status == "running"  # held by the last dead worker
     assert 1 <= deaths <= limit + 1
-    with worker_process(dsn, "--lease", "0.3") as survivor:
+    with worker_process(dsn, "--lease", "1") as survivor:
         run = client.wait(run_id, timeout=20)
         assert client.wait(client.start("quick", 1), timeout=20).status == "completed"
         assert survivor.proc.poll() is None  # the next worker is not handed the poison

@@ -584,7 +584,7 @@ def test_a_step_never_undone_keeps_its_idempotency_key_in_the_next_generation(
     """The charge is in flight when the run times out (dead_letter, no compensation: nothing
     was checkpointed); retry_dead_letter runs it again in generation 2. It was never undone,
     so it must charge under the same key, which the provider de-duplicates."""
-    with running_worker(dsn, lease=0.6):  # started first: the timeout counts from the start
+    with running_worker(dsn, lease=1):  # started first: the timeout counts from the start
         run_id = client.start("charge_in_flight_at_timeout", None, timeout=1)
         run = client.wait(run_id, timeout=20)
         assert run.status == "dead_letter" and run.error["type"] == "Timeout"

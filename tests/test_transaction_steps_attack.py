@@ -776,13 +776,13 @@ def test_a_frozen_worker_inside_server_side_sql_cannot_commit_after_a_takeover(
     statement runs; once A's session is ended B takes over and commits the step; A, thawed,
     commits nothing."""
     db = accounts
-    run_id = client.start("tsa_gather", {"hold": 1.0, "server_side": True, "async": True,
+    run_id = client.start("tsa_gather", {"hold": 2.5, "server_side": True, "async": True,
                                          "isolation": "repeatable read", "extras": ["step"]})
-    with worker_process(dsn, "--lease", "0.5", *APP) as frozen:
+    with worker_process(dsn, "--lease", "1", *APP) as frozen:
         wait_for(lambda: entered(db, run_id, "move"), what="A inside")
         frozen.signal(signal.SIGSTOP)
-        with worker_process(dsn, "--lease", "0.5", *APP) as taker:
-            time.sleep(0.7)  # A's lease expired; its statement still runs
+        with worker_process(dsn, "--lease", "1", *APP) as taker:
+            time.sleep(1.5)  # A's lease expired; its statement still runs
             assert entered(db, run_id, "move") == 1, "taken over under the open step"
             run = client.wait(run_id, timeout=40)
             frozen.signal(signal.SIGCONT)
@@ -814,9 +814,9 @@ def test_parallel_transactional_steps_stay_exact_while_workers_are_killed(
 
     chance = random.Random(20261201)
     for _ in range(4):
-        kill_at_work(dsn, db, "--lease", "0.5", "--concurrency", "8", *APP,
+        kill_at_work(dsn, db, "--lease", "1", "--concurrency", "8", *APP,
                      pause=chance.uniform(0.0, 0.7), done=all_completed)
-    with worker_process(dsn, "--lease", "0.5", "--concurrency", "16", *APP):
+    with worker_process(dsn, "--lease", "1", "--concurrency", "16", *APP):
         wait_for(all_completed, timeout=60, what="every run completed")
     final = balances(db)
     for run_id in runs:

@@ -122,10 +122,10 @@ def test_transfers_stay_exact_while_workers_are_killed(
     chance = random.Random(7)
     kills = 0
     while kills < 30:
-        kill_at_work(dsn, accounts, "--lease", "0.5", "--concurrency", "16",
+        kill_at_work(dsn, accounts, "--lease", "1", "--concurrency", "16",
                      pause=chance.uniform(0.0, 0.4), done=all_completed)
         kills += 1
-    with worker_process(dsn, "--lease", "0.5", "--concurrency", "32"):
+    with worker_process(dsn, "--lease", "1", "--concurrency", "32"):
         wait_for(all_completed, timeout=120, what="every transfer completed")
     final = balances(accounts)
     assert final["a"] == 1000 - n and final["b"] == 1000 + n, final

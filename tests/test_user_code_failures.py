@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import running_worker, scalar, wait_for
+from tests.support import running_worker, scalar, wait_for, worker_process
 
 LOG: dict[str, list[str]] = defaultdict(list)
 
@@ -425,3 +425,23 @@ def test_a_compensation_that_cancels_its_own_task_fails_instead_of_looping(
         run = client.wait(run_id, timeout=20)
     assert (run.status, run.compensation_ok) == ("dead_letter", False), run
     assert LOG[run_id] == ["undo"]
+
+
+# --- a step that stops the worker's event loop -----------------------------------------------
+
+def test_a_step_that_stops_the_event_loop_does_not_end_its_worker_process(
+    dsn: str, client: flowly.Client
+) -> None:
+    """``asyncio.get_running_loop().stop()`` in an async step ended ``flowly worker`` with
+    "RuntimeError: Event loop stopped before Future completed", every run it held left to
+    its lease. The worker resumes its loop (and says so): the run completes, and the same
+    process serves the next run."""
+    run_id = client.start("stops_its_loop", None)
+    with worker_process(dsn) as worker:
+        run = client.wait(run_id, timeout=30)
+        assert client.wait(client.start("quick", 1), timeout=30).status == "completed"
+        assert worker.proc.poll() is None, worker.proc.communicate()[0]
+        log = worker.stop()
+    assert worker.proc.returncode == 0, log
+    assert (run.status, run.output, run.attempt) == ("completed", ["stopped", "went on"], 1), run
+    assert "the event loop was stopped" in log, log

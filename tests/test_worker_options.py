@@ -30,6 +30,10 @@ from tests.test_cli import one_error_line
     ({"lease": "30"}, "lease must be seconds or a timedelta, got str"),
     ({"lease": math.inf}, "lease must be a finite number of seconds"),
     ({"lease": timedelta(days=2)}, "lease must be at most 86400 seconds"),
+    # taken before: every run looked expired almost at once, and healthy runs were taken
+    # over until they ended as poison
+    ({"lease": 0.01}, "lease must be at least 1 second, got 0.01"),
+    ({"lease": timedelta(milliseconds=999)}, "lease must be at least 1 second, got 0.999"),
     ({"poll_interval": 0}, "poll_interval must be a positive number of seconds"),
     ({"drain_timeout": -1}, "drain_timeout must be zero or more seconds"),
     ({"purge_after": math.nan}, "purge_after must be a finite number of seconds"),
@@ -56,7 +60,8 @@ def test_a_worker_needs_a_dsn_as_text() -> None:
 
 def test_the_worker_command_names_a_bad_option_without_blaming_the_app(dsn: str) -> None:
     for option, message in ((["--queue", ""], "error: queue must be a non-empty text"),
-                            (["--concurrency", "0"], "error: concurrency must be at least 1")):
+                            (["--concurrency", "0"], "error: concurrency must be at least 1"),
+                            (["--lease", "0.01"], "error: lease must be at least 1 second")):
         result = flowly_cli("worker", "--app", "examples.order", *option, dsn=dsn, timeout=30)
         one_error_line(result, 2)
         assert result.stderr.strip().startswith(message), result.stderr

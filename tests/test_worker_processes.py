@@ -129,7 +129,7 @@ def test_a_run_that_kills_every_worker_ends_as_poison_and_the_others_serve_on(
     """A step that ends its worker's process (os._exit(3), as a C library's exit would) is not
     a worker that cannot start: each worker it kills is replaced, the run ends as poison, and
     the supervisor never stops serving the other runs."""
-    with _supervisor(dsn, "--lease", "0.5") as supervisor:
+    with _supervisor(dsn, "--lease", "1") as supervisor:
         wait_for(lambda: len(_serving(db, supervisor)) == 2, what="two workers registered")
         run_id = client.start("kills_its_worker", None)
         run = client.wait(run_id, timeout=90)
@@ -141,6 +141,27 @@ def test_a_run_that_kills_every_worker_ends_as_poison_and_the_others_serve_on(
     assert run.status == "dead_letter" and run.error["type"] == "PoisonRun", run
     assert "exited with status 3; another starts in 0.5s" in log, log
     assert "could not start" not in log, log
+
+
+def test_a_step_that_stops_the_event_loop_neither_ends_its_worker_nor_the_others(
+    dsn: str, db: psycopg.Connection[Any], client: flowly.Client
+) -> None:
+    """An async step calls ``asyncio.get_running_loop().stop()`` right after the workers
+    started. Before, its worker died of "Event loop stopped before Future completed", and the
+    supervisor, seeing a worker fail within seconds of its start, took it for one that could
+    not start and stopped them all. Now the worker resumes its loop, the run completes, and
+    both workers go on serving."""
+    with _supervisor(dsn) as supervisor:
+        run_id = client.start("stops_its_loop", None)
+        run = client.wait(run_id, timeout=30)
+        assert supervisor.proc.poll() is None
+        wait_for(lambda: len(_serving(db, supervisor)) == 2, what="two workers serving")
+        _drained(db, client, 10)
+        log = _stopped(supervisor)
+    assert (run.status, run.output, run.attempt) == ("completed", ["stopped", "went on"], 1), run
+    assert "Event loop stopped before Future completed" not in log, log
+    assert "exited with status" not in log and "could not start" not in log, log
+    assert "the event loop was stopped" in log, log
 
 
 def test_processes_below_one_is_a_usage_error(dsn: str) -> None:

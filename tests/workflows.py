@@ -320,6 +320,19 @@ async def kills_its_worker(ctx: flowly.Context, inp: Any) -> None:
     await ctx.step("die", lambda: os._exit(3))
 
 
+@flowly.workflow("stops_its_loop")
+async def stops_its_loop(ctx: flowly.Context, inp: Any) -> Any:
+    """An async step that stops the event loop it runs on (``loop.stop()``, as a library
+    written for a loop of its own might), then a step after it."""
+    async def stop_the_loop() -> str:
+        asyncio.get_running_loop().stop()
+        await asyncio.sleep(0.05)  # the loop stops at the end of this iteration
+        return "stopped"
+
+    stopped = await ctx.step("stop", stop_the_loop)
+    return [stopped, await ctx.step("after", lambda: "went on")]
+
+
 @flowly.workflow("echo")
 async def echo(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
     """One async step that waits ``wait`` seconds and returns ``value``."""

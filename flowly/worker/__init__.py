@@ -87,6 +87,13 @@ DEFAULT_MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 # the longest lease (seconds), as the engine's check_lease allows: a run held by a worker that
 # died is taken over at most this long after its last heartbeat
 MAX_LEASE = 86_400.0
+# the shortest lease (seconds): the worker's sessions are not cut sooner whatever the lease
+# (session.settings: a frozen worker's transaction still lives a second), a run handed off is
+# stopped half a second before its first lease ends, and a connection's TCP user timeout is
+# the lease, which a lost packet's retransmissions (0.2 s apart, then doubling) soon use up.
+# A lease of 0.01 s made healthy runs look expired almost at once: taken over again and
+# again, they ended as poison
+MIN_LEASE = 1.0
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
@@ -274,11 +281,11 @@ class Worker:
     ``workflows``: names, decorated functions or :class:`flowly.Workflow` objects (default:
     every workflow registered in this process). ``concurrency`` bounds runs in flight;
     ``max_connections`` bounds the pool whatever the concurrency (one more connection
-    LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat; heartbeats
-    go every ``lease/3``. ``poll_interval`` is the fallback when no NOTIFY arrives (also how
-    soon a run is seen that comes due by time over an hour ahead, or whose worker died: a
-    run started to be due later, or released to sleep, back off or wait, is claimed when it
-    comes due, see due_timer). On stop, in-flight runs get up to
+    LISTENs). ``lease`` is how long a claimed run stays ours without a heartbeat (from a
+    second to a day); heartbeats go every ``lease/3``. ``poll_interval`` is the fallback when
+    no NOTIFY arrives (also how soon a run is seen that comes due by time over an hour ahead,
+    or whose worker died: a run started to be due later, or released to sleep, back off or
+    wait, is claimed when it comes due, see due_timer). On stop, in-flight runs get up to
     ``drain_timeout`` seconds to finish; the rest are released for other workers at once.
     ``max_output_bytes`` bounds a step's or workflow's JSON output (a larger one fails its run
     before anything is sent). With ``purge_after`` the worker deletes runs that finished
@@ -316,6 +323,9 @@ class Worker:
         if self.lease > MAX_LEASE:
             raise InvalidArgument(f"lease must be at most {MAX_LEASE:g} seconds (a day),"
                                   f" got {self.lease:g}")
+        if self.lease < MIN_LEASE:
+            raise InvalidArgument(f"lease must be at least {MIN_LEASE:g} second, got"
+                                  f" {self.lease:g}")
         self._lease_interval = seconds_interval(self.lease)
         self.max_connections = arguments.at_least("max_connections", max_connections, 2)
         if default_retry is not None and not isinstance(default_retry, Retry):
