@@ -195,6 +195,140 @@ def test_cancelling_a_cancelled_run_again_cancels_what_its_family_left_unfinishe
     assert scalar(db, "select flowly.cancel('g')") == "cancelled"  # and again: nothing left
 
 
+# --- after a purge ------------------------------------------------------------------------
+# The walk up a family ends where a parent_run_id names a run that is gone. Before 0076 purge
+# kept a finished run only while a run it started was unfinished (or, for a cancelled run,
+# dead-lettered): it deleted a finished middle run of a family, and what lay below it was
+# cut off from the cancelled run above.
+
+FINISHED_BUT_DEAD_LETTERS = "array['completed', 'cancelled']"
+
+
+def _purge_all(db: psycopg.Connection[Any], older_than: str = "0 seconds",
+               statuses: str = "array['completed', 'cancelled', 'dead_letter']") -> int:
+    """Purge calls until one deletes nothing (as Client.purge loops); how many it deleted."""
+    total = 0
+    while (deleted := int(scalar(db, f"select flowly.purge(%s, {statuses})", older_than))):
+        total += deleted
+    return total
+
+
+def _age(db: psycopg.Connection[Any], *runs: str) -> None:
+    """Make ``runs`` finish two hours ago (a purge older than an hour takes them, not the
+    others)."""
+    db.execute("update flowly.runs set finished_at = now() - interval '2 hours'"
+               " where id = any(%s)", (list(runs),))
+
+
+@pytest.mark.parametrize("shape", ["middle completed", "completed under a cancelled middle",
+                                   "middle dead letter purged first"])
+def test_a_retry_under_a_cancelled_family_stays_refused_after_a_purge(
+    db: psycopg.Connection[Any], shape: str
+) -> None:
+    """The dead letter c lies under the cancelled g through finished runs purge may take:
+    a completed p (dead letters kept for inspection: purged are completed and cancelled
+    runs); a completed q under a p cancelled with g; a dead-lettered p purged while c,
+    which finished later, is not old enough yet. The retry of c stays refused, naming the
+    cancelled run above it."""
+    if shape == "middle completed":
+        _cancelled_family(db, "completed")
+        _purge_all(db, statuses=FINISHED_BUT_DEAD_LETTERS)
+        cancelled = "g"
+    elif shape == "completed under a cancelled middle":
+        g = _running(db, "g")
+        p = _running(db, "p", parent=("g", g))
+        q = _running(db, "q", parent=("p", p))
+        c = _running(db, "c", parent=("q", q))
+        _dead_letter(db, "c", c)
+        _complete(db, "q", q)
+        assert scalar(db, "select flowly.cancel('g')") == "cancelled"
+        assert _status(db, "p") == "cancelled"
+        _purge_all(db, statuses=FINISHED_BUT_DEAD_LETTERS)
+        cancelled = "p"
+    else:
+        _cancelled_family(db, "dead_letter")
+        _age(db, "g", "p")
+        _purge_all(db, "1 hour")
+        cancelled = "g"
+    # Before 0076 ("middle completed"): purge deleted p (completed, its child c finished)
+    # and g (cancelled, its child p not a dead letter); the walk up from c ended at the
+    # missing p, and the retry was accepted: c pending under a cancelled family.
+    message = _refused(db, "select flowly.retry_dead_letter('c')")
+    assert f"its ancestor run {cancelled} was cancelled" in message, message
+    assert _status(db, "c") == "dead_letter"
+
+
+@pytest.mark.parametrize("parent", ["p", "c"])
+def test_a_child_started_by_hand_in_a_cancelled_family_stays_refused_after_a_purge(
+    db: psycopg.Connection[Any], parent: str
+) -> None:
+    """g cancelled over a completed p and a dead-lettered c; the operator purges cancelled
+    runs only. A child started by hand under p or c stays refused, naming g."""
+    _cancelled_family(db, "completed")
+    _purge_all(db, statuses="array['cancelled']")
+    # Before 0076: purge deleted g (cancelled, its child p completed, not a dead letter),
+    # and a start under p or c found no cancelled run above it: it was accepted.
+    message = _refused(db, "select flowly.start('wf_d', run_id => 'd', parent_run_id => %s)",
+                       parent)
+    assert f"run {parent} takes no more children: its ancestor run g was cancelled" \
+        in message, message
+    assert scalar(db, "select count(*) from flowly.runs where id = 'd'") == 0
+
+
+def test_a_dead_letter_below_a_purged_middle_run_is_still_found_by_a_later_cancel(
+    db: psycopg.Connection[Any],
+) -> None:
+    """g still running; p, its child, completed over its dead-lettered child c, and g read
+    p's outcome. A purge before g is cancelled keeps p, through which c belongs to g's
+    family, and c's retry is refused after the cancel."""
+    g = _running(db, "g")
+    p = _running(db, "p", parent=("g", g))
+    c = _running(db, "c", parent=("p", p))
+    _dead_letter(db, "c", c)
+    _complete(db, "p", p)
+    assert scalar(db, "select outcome from flowly.wait_for_run('g', %s, 'run:p', 'p')",
+                  g) == "finished"
+    _purge_all(db, statuses=FINISHED_BUT_DEAD_LETTERS)
+    assert scalar(db, "select flowly.cancel('g')") == "cancelled"
+    # Before 0076: purge deleted p (completed, read by g, its child c finished), so g's
+    # family no longer reached c, and c's retry was accepted after g's cancel.
+    message = _refused(db, "select flowly.retry_dead_letter('c')")
+    assert "its ancestor run g was cancelled" in message, message
+    assert _status(db, "p") == "completed"
+
+
+def test_a_run_running_two_completed_generations_down_is_still_cancelled_after_a_purge(
+    db: psycopg.Connection[Any],
+) -> None:
+    """g running started m1 and read its outcome; m1 started m2 and completed, m2 started
+    leaf and completed; leaf runs. After a purge, cancelling g still cancels leaf."""
+    g = _running(db, "g")
+    m1 = _running(db, "m1", parent=("g", g))
+    m2 = _running(db, "m2", parent=("m1", m1))
+    _running(db, "leaf", parent=("m2", m2))
+    _complete(db, "m2", m2)
+    _complete(db, "m1", m1)
+    assert scalar(db, "select outcome from flowly.wait_for_run('g', %s, 'run:m1', 'm1')",
+                  g) == "finished"
+    _purge_all(db)
+    assert scalar(db, "select flowly.cancel('g')") == "cancelled"
+    # Before 0076: purge kept m2 (a run it started is unfinished) but deleted m1 (completed,
+    # read by g, its child m2 finished); cancel('g') no longer reached leaf, left running.
+    assert _status(db, "leaf") == "cancelled"
+    assert unfinished_descendants(db, "g") == []
+
+
+def test_a_cancelled_family_goes_in_one_purge_once_its_dead_letter_is_purged(
+    db: psycopg.Connection[Any],
+) -> None:
+    """What purge keeps for a dead letter (the runs above it) goes with it: the purge that
+    deletes c deletes p and g in the same call."""
+    _cancelled_family(db, "completed")
+    assert _purge_all(db, statuses=FINISHED_BUT_DEAD_LETTERS) == 0
+    assert scalar(db, "select flowly.purge('0 seconds')") == 3
+    assert scalar(db, "select count(*) from flowly.runs") == 0
+
+
 # --- in flight ----------------------------------------------------------------------------
 
 

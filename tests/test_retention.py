@@ -167,6 +167,67 @@ def test_purges_at_once_share_the_positions_and_delete_everything_they_may(dsn: 
     assert sum(o["result"] for o in outcomes) == 3000
 
 
+def test_a_finished_family_goes_whole_in_one_purge(db: psycopg.Connection[Any]) -> None:
+    """Control for the rule that keeps a run while a run it started is there (0076): a
+    completed family (a root, three children, a grandchild under one, its parent having
+    finished before it) is deleted by one call, as before, and nothing of it is left."""
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, parent_run_id, finished_at, created_at)
+        values ('root', 'wf', 'completed', null, now() - interval '2 days 1 minute',
+                now() - interval '3 days'),
+               ('kid-1', 'wf', 'completed', 'root', now() - interval '2 days 2 minutes',
+                now() - interval '3 days'),
+               ('kid-2', 'wf', 'cancelled', 'root', now() - interval '2 days 2 minutes',
+                now() - interval '3 days'),
+               ('kid-3', 'wf', 'completed', 'root', now() - interval '2 days 3 minutes',
+                now() - interval '3 days'),
+               ('grandkid', 'wf', 'completed', 'kid-3', now() - interval '2 days',
+                now() - interval '3 days')""")
+    assert scalar(db, "select flowly.purge('1 day')") == 5
+    assert scalar(db, "select count(*) from flowly.runs") == 0
+
+
+@pytest.mark.parametrize("finished", ["top first", "end first"])
+def test_a_chain_deeper_than_a_batch_goes_a_batch_a_call(
+    db: psycopg.Connection[Any], finished: str
+) -> None:
+    """A chain of 2,500 completed runs, each the child of the one before, finished from its
+    top down (each run started the next and completed) or from its end up (each waited for
+    the one it started). purge may delete a run only once the run it started is gone, or
+    the run that started it: one generation a statement, through the chain from where it
+    began, a batch a call (1,000, 1,000, 500), not a generation a call."""
+    step = "+" if finished == "top first" else "-"
+    db.execute(f"""
+        insert into flowly.runs (id, workflow, status, parent_run_id, finished_at, created_at)
+        select 'link-' || g, 'wf', 'completed', case when g > 1 then 'link-' || (g - 1) end,
+               now() - interval '2 days' {step} g * interval '1 ms', now() - interval '3 days'
+        from generate_series(1, 2500) g""")
+    db.execute("analyze flowly.runs")
+    deleted = []
+    while n := scalar(db, "select flowly.purge('1 day')"):
+        deleted.append(n)
+        assert len(deleted) < 10, deleted
+    assert deleted == [1000, 1000, 500]
+    assert scalar(db, "select count(*) from flowly.runs") == 0
+
+
+def test_a_chain_of_runs_each_starting_the_next_is_purged_up_to_its_live_end(
+    db: psycopg.Connection[Any],
+) -> None:
+    """A run that starts its successor and completes, 300 times over, the last one still
+    running: every completed run of the chain goes (nothing above any of them can be
+    cancelled, so no walk of the family needs them), in one call; the running end stays."""
+    db.execute("""
+        insert into flowly.runs (id, workflow, status, parent_run_id, finished_at, created_at)
+        select 'tick-' || g, 'wf', case when g = 300 then 'running' else 'completed' end,
+               case when g > 1 then 'tick-' || (g - 1) end,
+               case when g < 300 then now() - interval '2 days' + g * interval '1 ms' end,
+               now() - interval '3 days'
+        from generate_series(1, 300) g""")
+    assert scalar(db, "select flowly.purge('1 day')") == 299
+    assert [r[0] for r in db.execute("select id from flowly.runs")] == ["tick-300"]
+
+
 def test_purge_skips_a_locked_run_and_never_waits(
     dsn: str, db: psycopg.Connection[Any]
 ) -> None:
