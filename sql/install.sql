@@ -480,6 +480,8 @@ select not exists (select from schema_migrations where version = 75) as apply_mi
 \if :apply_migration
     \ir migrations/0075_null_arguments_named_and_sql_days_of_24_hours.sql
     insert into schema_migrations (version, name) values (75, '0075_null_arguments_named_and_sql_days_of_24_hours');
+\endif
+
 select not exists (select from schema_migrations where version = 76) as apply_migration \gset
 \if :apply_migration
     \ir migrations/0076_purge_keeps_the_runs_a_family_is_walked_through.sql
