@@ -9,9 +9,19 @@ import os
 logger = logging.getLogger(__name__)
 
 
+def _given(value: str | None) -> str | None:
+    """``value`` unless it is blank: an empty or all-space setting (an env file's
+    ``FLOWLY_DSN=`` line) counts as unset, not as libpq's "every default", which reaches
+    another server or database than the next setting names."""
+    return value if value and not value.isspace() else None
+
+
 def configured_dsn(explicit: str | None = None) -> str | None:
-    """The DSN given explicitly or through the environment, if any."""
-    return explicit or os.environ.get("FLOWLY_DSN") or os.environ.get("DATABASE_URL") or None
+    """The DSN given explicitly or through the environment, if any (blank ones skipped)."""
+    for value in (explicit, os.environ.get("FLOWLY_DSN"), os.environ.get("DATABASE_URL")):
+        if _given(value):
+            return value
+    return None
 
 
 def resolve_dsn(explicit: str | None = None) -> str:
