@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 
 from . import arguments
 from .bounded_calls import Cutoff, shut_down, within
+from .config import checked_dsn, resolve_dsn
 from .db import (
     TERMINAL,
     Calls,
@@ -458,11 +459,7 @@ class Client:
 
     def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
                  timeout: float | None = None) -> None:
-        if dsn is None:
-            from .config import resolve_dsn
-
-            dsn = resolve_dsn()
-        self.dsn = dsn
+        self.dsn = checked_dsn(resolve_dsn() if dsn is None else dsn)
         self.calls = Calls(schema)
         self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
@@ -897,11 +894,7 @@ class AsyncClient:
 
     def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
                  timeout: float | None = None) -> None:
-        if dsn is None:
-            from .config import resolve_dsn
-
-            dsn = resolve_dsn()
-        self.dsn = dsn
+        self.dsn = checked_dsn(resolve_dsn() if dsn is None else dsn)
         self.calls = Calls(schema)
         self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None

@@ -32,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from .. import arguments
 from ..bounded_calls import end_tasks, on_daemon_thread, within
 from ..branches import enter_body
+from ..config import checked_dsn
 from ..context import (
     NOT_RETRYABLE,
     CompensateInterrupt,
@@ -304,7 +305,7 @@ class Worker:
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
         purge_after: float | timedelta | None = None,
     ) -> None:
-        self.dsn = arguments.text("dsn", dsn)
+        self.dsn = checked_dsn(dsn)
         self.workflows = resolve(workflows)
         if not self.workflows:
             raise ValueError("a worker needs at least one registered workflow")
