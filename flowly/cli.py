@@ -110,7 +110,7 @@ def cmd_install(args: argparse.Namespace) -> int:
         applied = install(conn, args.schema, target=target)
         versions = installed_versions(conn, args.schema)
         if roles:
-            with translated_errors():
+            with translated_errors(args.schema):
                 setup_roles(conn, args.schema, worker=args.worker_role, reader=args.reader_role)
     if args.json:
         _print_json({"schema": args.schema, "applied": applied, "versions": versions,

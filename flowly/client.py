@@ -545,7 +545,7 @@ class Client:
                ) -> list[dict[str, Any]]:
         if conn is not None:
             _check_connection(conn, psycopg.Connection, "Client")
-            with translated_errors(), conn.cursor(row_factory=dict_row) as cursor:
+            with translated_errors(self.calls.schema), conn.cursor(row_factory=dict_row) as cursor:
                 return cursor.execute(query, params).fetchall()
         # threads sharing the client take turns here, not in psycopg's lock (see _calls)
         if not self._calls.acquire(timeout=-1 if self.timeout is None else self.timeout):
@@ -555,7 +555,7 @@ class Client:
             if self._closed:
                 raise _closed_error()
             if self.timeout is None:
-                with translated_errors():
+                with translated_errors(self.calls.schema):
                     return self._fetch_own(query, params)
             return self._fetch_bounded(query, params, self.timeout)
         finally:
@@ -568,7 +568,7 @@ class Client:
         with Cutoff(lambda: (self._conn,)) as cutoff:
             cutoff.arm(timeout + _ANSWER_GRACE)
             try:
-                with translated_errors():
+                with translated_errors(self.calls.schema):
                     return self._fetch_own(query, params)
             except psycopg.errors.QueryCanceled as exc:
                 if _ended_by_timeout(exc, deadline):
@@ -959,7 +959,7 @@ class AsyncClient:
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
         if conn is not None:
             _check_connection(conn, psycopg.AsyncConnection, "AsyncClient")
-            with translated_errors():
+            with translated_errors(self.calls.schema):
                 async with conn.cursor(row_factory=dict_row) as cursor:
                     return await (await cursor.execute(query, params)).fetchall()
         await self._follow_loop()
@@ -996,7 +996,7 @@ class AsyncClient:
 
     async def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, opened if need be."""
-        with translated_errors():
+        with translated_errors(self.calls.schema):
             conn = self._conn
             if conn is None or not still_open(conn):
                 if conn is not None:

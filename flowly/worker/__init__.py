@@ -1241,10 +1241,9 @@ class Worker:
         return await within(session.call_timeout(self.lease),
                             self._call_now(self._pool, query, params))
 
-    @staticmethod
-    async def _call_now(pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
+    async def _call_now(self, pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
         async with pool.connection() as conn:
-            with translated_errors():
+            with translated_errors(self._calls.schema):
                 cursor = await conn.execute(query, params)
                 return await cursor.fetchall() if cursor.description else []
 
