@@ -33,7 +33,7 @@ from . import __version__, deep_json
 from .arguments import STATUSES, statement_seconds
 from .client import Client, Run
 from .client import parse_since as client_parse_since
-from .config import configured_dsn, resolve_dsn
+from .config import checked_dsn, configured_dsn, resolve_dsn
 from .db import DEFAULT_SCHEMA, TERMINAL, connect_params, schema_identifier, translated_errors
 from .errors import (
     FlowlyError,
@@ -110,7 +110,7 @@ def cmd_install(args: argparse.Namespace) -> int:
         applied = install(conn, args.schema, target=target)
         versions = installed_versions(conn, args.schema)
         if roles:
-            with translated_errors():
+            with translated_errors(args.schema):
                 setup_roles(conn, args.schema, worker=args.worker_role, reader=args.reader_role)
     if args.json:
         _print_json({"schema": args.schema, "applied": applied, "versions": versions,
@@ -777,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _resolve_database(args: argparse.Namespace) -> None:
     """Set ``args.dsn``; say on stderr when the embedded PostgreSQL is used."""
     if configured_dsn(args.dsn):
-        args.dsn = resolve_dsn(args.dsn)
+        args.dsn = checked_dsn(resolve_dsn(args.dsn))
         return
     try:
         from .embedded import resolve_data_dir

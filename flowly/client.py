@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 
 from . import arguments
 from .bounded_calls import Cutoff, shut_down, within
+from .config import checked_dsn, resolve_dsn
 from .db import (
     TERMINAL,
     Calls,
@@ -270,6 +271,17 @@ def _busy_message(timeout: float) -> str:
             f" ({timeout:g}s); the call was not made, so it took no effect: make it again")
 
 
+async def _take_turn(turn: asyncio.Lock, timeout: float | None) -> bool:
+    """Take ``turn`` within ``timeout`` seconds (None: however long it takes); whether it was
+    taken (asyncio.Lock gives a turn handed over as its waiter was cancelled to the next)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await turn.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
 def _statement_timeout(timeout: float) -> str:
     return f"{math.ceil(timeout * 1000)}ms"
 
@@ -288,6 +300,10 @@ def _ended_message(timeout: float) -> str:
 
 
 def _closed_error() -> psycopg.OperationalError:
+    return psycopg.OperationalError("the client is closed: the call was not made")
+
+
+def _closed_under_wait() -> psycopg.OperationalError:
     return psycopg.OperationalError("the client was closed while this wait was under way")
 
 
@@ -436,22 +452,24 @@ class Client:
     that does not answer at all (the server, a pooler or the path to them hangs) is given up
     a second later, and the connection dropped, to be opened again by the next call. Calls
     made in the caller's transaction (``conn=``) are the caller's to bound; :meth:`wait`
-    takes its own timeout.
+    takes its own timeout. Threads sharing the client take turns on its connection, and a
+    call's timeout counts from its turn: a call whose turn does not come within it is not
+    made (:class:`DatabaseTimeout` says so).
     """
 
     def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
                  timeout: float | None = None) -> None:
-        if dsn is None:
-            from .config import resolve_dsn
-
-            dsn = resolve_dsn()
-        self.dsn = dsn
+        self.dsn = checked_dsn(resolve_dsn() if dsn is None else dsn)
         self.calls = Calls(schema)
         self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         # the connection whose statements the server ends at the timeout (_BOUND_STATEMENTS)
         self._bounded: psycopg.Connection[Any] | None = None
-        self._calls = threading.Lock()  # held by the call on self._conn under a timeout
+        # the turn on self._conn: held by the call under way on it, so that a call's timeout
+        # and Cutoff start once the connection is its own (a Cutoff that came while the call
+        # still queued would end another thread's call), and close() leaves that call alone
+        self._calls = threading.Lock()
+        self._closed = False
         # Each wait under way reads and LISTENs on a connection of its own, so that a wait
         # cut off at its timeout, or ended by close(), ends no other thread's call (a call
         # queued behind another on self._conn could only be cut off with it). Kept idle, not
@@ -459,7 +477,6 @@ class Client:
         self._wait_conns = threading.Lock()
         self._idle_waits: list[psycopg.Connection[Any]] = []
         self._busy_waits: set[psycopg.Connection[Any]] = set()
-        self._closes = 0  # close() calls so far: a wait under way when it grows ends
         self._listen_statement: sql.Composed | None = None
         self._warned: dict[tuple[str, str], float] = {}
 
@@ -470,23 +487,46 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the client's connections. A wait under way (in another thread) ends at once
-        with ``psycopg.OperationalError`` saying the client was closed; a later call opens
-        a connection again."""
+        """Close the client, at once. A call under way on its connection (in another thread)
+        ends as it would have, its outcome told to its caller, and the connection is closed
+        as it ends: closed under it, the call would fail with its effect unknown. A wait
+        under way ends at once with ``psycopg.OperationalError`` ("the client was closed
+        while this wait was under way"): it changes nothing. A call still waiting for its
+        turn, and every later call, is not made: ``psycopg.OperationalError`` says the client
+        is closed."""
         with self._wait_conns:
-            self._closes += 1
+            self._closed = True
             idle, self._idle_waits = self._idle_waits, []
             busy = list(self._busy_waits)
         for conn in busy:
             shut_down(conn)  # its wait closes it
         for conn in idle:
             conn.close()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._close_if_no_call()
+
+    def _close_if_no_call(self) -> None:
+        """Close the client's own connection unless a call holds the turn on it: that call
+        does as its turn ends (_end_turn). Either the turn is free here, or its holder sees
+        _closed set once it lets the turn go."""
+        if self._calls.acquire(blocking=False):
+            try:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+            finally:
+                self._calls.release()
+
+    def _end_turn(self) -> None:
+        self._calls.release()
+        if self._closed:
+            self._close_if_no_call()
 
     @property
     def connection(self) -> psycopg.Connection[dict[str, Any]]:
+        """The client's own connection, opened if need be (``psycopg.OperationalError`` once
+        the client is closed)."""
+        if self._closed:
+            raise _closed_error()
         conn = self._conn
         if conn is None or not still_open(conn):
             if conn is not None:
@@ -505,20 +545,21 @@ class Client:
                ) -> list[dict[str, Any]]:
         if conn is not None:
             _check_connection(conn, psycopg.Connection, "Client")
-            with translated_errors(), conn.cursor(row_factory=dict_row) as cursor:
+            with translated_errors(self.calls.schema), conn.cursor(row_factory=dict_row) as cursor:
                 return cursor.execute(query, params).fetchall()
-        if self.timeout is None:
-            with translated_errors():
-                return self._fetch_own(query, params)
-        # threads sharing the client take turns here, not in psycopg's lock, so that a call's
-        # time and Cutoff start once the connection is its own: a Cutoff that came while
-        # the call still queued would end another thread's call
-        if not self._calls.acquire(timeout=self.timeout):
+        # threads sharing the client take turns here, not in psycopg's lock (see _calls)
+        if not self._calls.acquire(timeout=-1 if self.timeout is None else self.timeout):
+            assert self.timeout is not None
             raise DatabaseTimeout(_busy_message(self.timeout))
         try:
+            if self._closed:
+                raise _closed_error()
+            if self.timeout is None:
+                with translated_errors(self.calls.schema):
+                    return self._fetch_own(query, params)
             return self._fetch_bounded(query, params, self.timeout)
         finally:
-            self._calls.release()
+            self._end_turn()
 
     def _fetch_bounded(self, query: Any, params: Any, timeout: float) -> list[dict[str, Any]]:
         """A call on the client's own connection, ended by the server at ``timeout`` or cut
@@ -527,7 +568,7 @@ class Client:
         with Cutoff(lambda: (self._conn,)) as cutoff:
             cutoff.arm(timeout + _ANSWER_GRACE)
             try:
-                with translated_errors():
+                with translated_errors(self.calls.schema):
                     return self._fetch_own(query, params)
             except psycopg.errors.QueryCanceled as exc:
                 if _ended_by_timeout(exc, deadline):
@@ -617,15 +658,16 @@ class Client:
         is not a status waited for (it can never reach one; a ``dead_letter`` run may still be
         retried). :meth:`close` ends it with ``psycopg.OperationalError``."""
         wanted, timeout = _wait_args(status, timeout)
-        closes = self._closes
+        if self._closed:
+            raise _closed_error()
         # the wait's connection, in a list: one the server ends is replaced under way
         own = [self._take_wait_connection(timeout)]
         in_order = False
         try:
             if timeout is None:
-                run = self._wait(own, run_id, wanted, None, closes)
+                run = self._wait(own, run_id, wanted, None)
             else:
-                run = self._wait_bounded(own, run_id, wanted, timeout, closes)
+                run = self._wait_bounded(own, run_id, wanted, timeout)
             in_order = True
             return run
         except FlowlyError as exc:
@@ -633,34 +675,34 @@ class Client:
             in_order = not isinstance(exc.__cause__, psycopg.Error)
             raise
         except psycopg.Error as exc:
-            if self._closes != closes:
-                raise _closed_error() from exc
+            if self._closed:
+                raise _closed_under_wait() from exc
             raise
         finally:
-            self._give_back_wait_connection(own[0], in_order and self._closes == closes)
+            self._give_back_wait_connection(own[0], in_order and not self._closed)
 
     def _wait_bounded(self, own: list[psycopg.Connection[Any]], run_id: str,
-                      wanted: Collection[str], timeout: float, closes: int) -> Run:
+                      wanted: Collection[str], timeout: float) -> Run:
         """The wait with a timeout: a database that stops answering (the bytes acknowledged,
         so no TCP timeout notices) must not hold the caller past it, so the wait's own
         connection (no other) is cut off a second later."""
         with Cutoff(lambda: own) as cutoff:
             cutoff.arm(timeout + _ANSWER_GRACE)
             try:
-                return self._wait(own, run_id, wanted, timeout, closes)
+                return self._wait(own, run_id, wanted, timeout)
             except psycopg.Error as exc:
-                if not cutoff.expired or self._closes != closes:
+                if not cutoff.expired or self._closed:
                     raise
                 raise RunTimeout(_silent_message(run_id, timeout)) from exc
 
     def _wait(self, own: list[psycopg.Connection[Any]], run_id: str, wanted: Collection[str],
-              timeout: float | None, closes: int) -> Run:
+              timeout: float | None) -> Run:
         run = self._read_run(own[0], run_id)
         if _reached(run, wanted):
             return run
         self._listen_on(own[0])
         try:
-            run = self._watch(own, run_id, wanted, timeout, closes)
+            run = self._watch(own, run_id, wanted, timeout)
         except FlowlyError:  # RunTimeout, InvalidState: the connection is sound
             own[0].execute(_UNLISTEN)
             raise
@@ -668,14 +710,14 @@ class Client:
         return run
 
     def _watch(self, own: list[psycopg.Connection[Any]], run_id: str, wanted: Collection[str],
-               timeout: float | None, closes: int) -> Run:
+               timeout: float | None) -> Run:
         """Read the run at every NOTIFY of a finished run, or pause of the polling, until it
         reached a wanted status; RunTimeout at the timeout."""
         pauses = _poll_pauses(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._closes != closes:  # a connection made as close() came
-                raise _closed_error()
+            if self._closed:  # a connection made as close() came
+                raise _closed_under_wait()
             # read again once listening: a finish before the LISTEN notified nobody here
             run = self._read_run(own[0], run_id)
             if _reached(run, wanted):
@@ -692,7 +734,7 @@ class Client:
                 # shut down by close(), or past the deadline by the wait's Cutoff; else the
                 # server ended it (idle_session_timeout ends a listener that waits longer,
                 # as does a pooler or a restart): listen anew, read again
-                if (self._closes != closes or not own[0].closed
+                if (self._closed or not own[0].closed
                         or (deadline is not None and time.monotonic() >= deadline)):
                     raise
                 own[0] = self._replace_wait_connection(own[0], timeout)
@@ -852,11 +894,7 @@ class AsyncClient:
 
     def __init__(self, dsn: str | None = None, *, schema: str = "flowly",
                  timeout: float | None = None) -> None:
-        if dsn is None:
-            from .config import resolve_dsn
-
-            dsn = resolve_dsn()
-        self.dsn = dsn
+        self.dsn = checked_dsn(resolve_dsn() if dsn is None else dsn)
         self.calls = Calls(schema)
         self.timeout = arguments.statement_seconds("timeout", timeout)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
@@ -868,9 +906,10 @@ class AsyncClient:
         self._listen_statement: sql.Composed | None = None
         self._waits = 0  # waits under way that listen on self._listener
         self._listening = asyncio.Lock()
-        # the event loop the connections and the lock above belong to
+        self._calls = asyncio.Lock()  # the turn on self._conn (see Client._calls)
+        # the event loop the connections and the locks above belong to
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closes = 0  # close() calls so far: a wait under way when it grows ends
+        self._closed = False
         self._warned: dict[tuple[str, str], float] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -881,13 +920,25 @@ class AsyncClient:
 
     async def close(self) -> None:
         """See :meth:`Client.close`."""
-        self._closes += 1
-        await self._drop_connections()
+        self._closed = True
+        waits = (self._reader, self._listener)
+        self._reader = self._listener = None
+        if not self._calls.locked():  # else the call under way closes it as its turn ends
+            await self._drop_own()
+        for conn in waits:
+            if conn is not None:
+                await conn.close()
+
+    async def _drop_own(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
 
     async def _drop_connections(self) -> None:
-        conns = (self._conn, self._reader, self._listener)
-        self._conn = self._reader = self._listener = None
-        for conn in conns:
+        await self._drop_own()
+        waits = (self._reader, self._listener)
+        self._reader = self._listener = None
+        for conn in waits:
             if conn is not None:
                 await conn.close()
 
@@ -900,6 +951,7 @@ class AsyncClient:
             return
         self._loop = loop
         self._listening = asyncio.Lock()
+        self._calls = asyncio.Lock()
         self._waits = 0  # those of the old loop ended with it
         await self._drop_connections()
 
@@ -907,9 +959,25 @@ class AsyncClient:
                      conn: psycopg.AsyncConnection[Any] | None = None) -> list[dict[str, Any]]:
         if conn is not None:
             _check_connection(conn, psycopg.AsyncConnection, "AsyncClient")
-            with translated_errors():
+            with translated_errors(self.calls.schema):
                 async with conn.cursor(row_factory=dict_row) as cursor:
                     return await (await cursor.execute(query, params)).fetchall()
+        await self._follow_loop()
+        # tasks sharing the client take turns here, not in psycopg's lock (see Client._calls)
+        if not await _take_turn(self._calls, self.timeout):
+            assert self.timeout is not None
+            raise DatabaseTimeout(_busy_message(self.timeout))
+        try:
+            if self._closed:
+                raise _closed_error()
+            return await self._fetch_in_turn(query, params)
+        finally:
+            if self._closed:  # close() left the connection to the call under way on it
+                await self._drop_own()
+            self._calls.release()
+
+    async def _fetch_in_turn(self, query: Any, params: Any) -> list[dict[str, Any]]:
+        """A call on the client's own connection, bounded by the client's timeout."""
         if self.timeout is None:
             return await self._fetch_own(query, params)
         deadline = time.monotonic() + self.timeout
@@ -921,16 +989,14 @@ class AsyncClient:
             raise
         except TimeoutError as exc:
             # the call was cancelled: psycopg closed the connection under a call that did not
-            # end (the next call opens another); a call queued behind another one's on it
-            # leaves it to that one
+            # end (the next call opens another)
             if isinstance(exc, FlowlyError):
                 raise
             raise DatabaseTimeout(_unanswered_message(self.timeout)) from exc
 
     async def _fetch_own(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A call on the client's own connection, opened if need be."""
-        await self._follow_loop()
-        with translated_errors():
+        with translated_errors(self.calls.schema):
             conn = self._conn
             if conn is None or not still_open(conn):
                 if conn is not None:
@@ -999,28 +1065,29 @@ class AsyncClient:
         """See :meth:`Client.wait`."""
         wanted, timeout = _wait_args(status, timeout)
         await self._follow_loop()
-        closes = self._closes
+        if self._closed:
+            raise _closed_error()
         try:
             if timeout is None:
-                return await self._wait(run_id, wanted, None, closes)
+                return await self._wait(run_id, wanted, None)
             try:
                 return await within(timeout + _ANSWER_GRACE,
-                                    self._wait(run_id, wanted, timeout, closes))
+                                    self._wait(run_id, wanted, timeout))
             except TimeoutError as exc:
                 # cancelled: psycopg closed the wait's connection if its call did not end
                 if isinstance(exc, FlowlyError):  # RunTimeout, or DatabaseTimeout of one call
                     raise
                 raise RunTimeout(_silent_message(run_id, timeout)) from exc
         except psycopg.Error as exc:
-            if self._closes != closes:
-                raise _closed_error() from exc
+            if self._closed:
+                raise _closed_under_wait() from exc
             raise
 
-    async def _read(self, query: Any, params: Any, closes: int) -> list[dict[str, Any]]:
+    async def _read(self, query: Any, params: Any) -> list[dict[str, Any]]:
         """A read of a wait, on the waits' connection (opened if need be, unless the client
         was closed since the wait began)."""
-        if self._closes != closes:
-            raise _closed_error()
+        if self._closed:
+            raise _closed_under_wait()
         conn = self._reader
         if conn is None or not still_open(conn):
             if conn is not None:
@@ -1031,37 +1098,35 @@ class AsyncClient:
             await set_up_session_async(conn)
         return await self._fetch(query, params, conn)
 
-    async def _read_run(self, run_id: str, closes: int) -> Run:
-        rows = await self._read(self.calls.get_run, (_run_id(run_id),), closes)
+    async def _read_run(self, run_id: str) -> Run:
+        rows = await self._read(self.calls.get_run, (_run_id(run_id),))
         if not rows:
             raise RunNotFound(f"run {run_id} not found")
         return _from_row(Run, rows[0])  # type: ignore[no-any-return]
 
-    async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None,
-                    closes: int) -> Run:
+    async def _wait(self, run_id: str, wanted: Collection[str], timeout: float | None) -> Run:
         """See :meth:`Client._wait`."""
-        run = await self._read_run(run_id, closes)
+        run = await self._read_run(run_id)
         if _reached(run, wanted):
             return run
         pauses = _poll_pauses(timeout)
         listener: psycopg.AsyncConnection[Any] | None = await self._listen()
         try:
             while True:
-                run = await self._read_run(run_id, closes)
+                run = await self._read_run(run_id)
                 if _reached(run, wanted):
                     break
                 pause = next(pauses, None)
                 if pause is None:
                     served = (bool((await self._read(self.calls.is_served,
-                                                     (run.workflow, run.queue),
-                                                     closes))[0]["exists"])
+                                                     (run.workflow, run.queue)))[0]["exists"])
                               if run.status == "pending" else None)
                     raise RunTimeout(_timeout_message(run, timeout, served))
                 assert listener is not None
                 try:
                     await _until_finished_async(listener, run_id, pause)
                 except psycopg.OperationalError:
-                    if not listener.closed or self._closes != closes:
+                    if not listener.closed or self._closed:
                         raise
                     await self._stop_listening(listener, orderly=False)
                     listener = None

@@ -61,13 +61,30 @@ def check_schema_name(schema: str) -> str:
     return schema
 
 
+_MISSING = (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable,
+            psycopg.errors.InvalidSchemaName)
+
+
+def _missing_from_flowly(error: psycopg.Error, schema: str) -> bool:
+    """Whether ``error`` (one of _MISSING) says that flowly's schema, or a function or table
+    in it, does not exist: raised by the statement flowly sent itself (an error raised in a
+    function or trigger that statement ran carries a context), naming flowly's schema,
+    which reads the same in every language of the server's messages."""
+    message = error.diag.message_primary or ""
+    return not error.diag.context and (f'"{schema}"' in message or f"{schema}." in message)
+
+
 @contextmanager
-def translated_errors() -> Iterator[None]:
-    """Re-raise flowly SQLSTATEs as named exceptions; a missing install as SchemaNotInstalled."""
+def translated_errors(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
+    """Re-raise flowly SQLSTATEs as named exceptions, and a function, table or schema of
+    flowly's (in ``schema``) that does not exist as SchemaNotInstalled. What else is missing
+    surfaces as itself: a function of the user's that their trigger on a flowly table calls
+    is theirs to create, not a reason to install flowly."""
     try:
         yield
-    except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable,
-            psycopg.errors.InvalidSchemaName) as error:
+    except _MISSING as error:
+        if not _missing_from_flowly(error, schema):
+            raise
         raise SchemaNotInstalled(
             f"flowly is not installed in this database or schema ({error.diag.message_primary});"
             " run `flowly install`"

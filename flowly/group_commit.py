@@ -205,7 +205,7 @@ class GroupCommitter:
         checkpoint_rows: list[Any] = []
         completion_rows: list[Any] = []
         async with self._pool.connection() as conn:
-            with translated_errors():
+            with translated_errors(self._calls.schema):
                 if checkpoints and completions and _chars(batch) <= _PIPELINE_MAX_CHARS:
                     # the two calls touch different runs, so each commits on its own: the
                     # sync between them ends the first's transaction; pipelined, they still

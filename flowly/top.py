@@ -111,7 +111,7 @@ def snapshot(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA,
     """
     ident = schema_identifier(check_schema_name(schema))
     rows: dict[str, list[dict[str, Any]]] = {}
-    with translated_errors(), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+    with translated_errors(schema), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         cur.execute("set transaction isolation level repeatable read, read only")
         for name, text in _QUERIES.items():
             cur.execute(sql.SQL(text).format(s=ident), {"limit": limit})

@@ -1,6 +1,7 @@
-"""A client shared by threads or tasks, closed under a wait, or reused across event loops:
-one caller's timeout or close never ends another caller's call, and a client made in one
-event loop serves the next."""
+"""A client shared by threads or tasks, closed under a wait or a call, or reused across event
+loops: one caller's timeout or close never ends another caller's call, a call's timeout counts
+from its turn on the client's connection, and a client made in one event loop serves the
+next."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 
 import flowly
-from tests.support import in_thread, scalar, wait_for
+from tests.support import freezable_proxy, in_thread, scalar, wait_for, waiting_on_lock
 
 
 def _client_sessions(db: psycopg.Connection[Any]) -> int:
@@ -131,3 +132,180 @@ def test_calls_queued_on_a_shared_client_with_a_timeout_are_ended_by_the_server_
             assert isinstance(outcome.get("error"), flowly.DatabaseTimeout), outcome
             assert "took no effect" in str(outcome["error"]), outcome
         assert client.get(held).status == "pending"
+
+
+def _hold_rows(dsn: str, *run_ids: str) -> list[psycopg.Connection[Any]]:
+    """One operator per run, each holding its run's row in an open transaction."""
+    operators = []
+    for run_id in run_ids:
+        operator = psycopg.connect(dsn)
+        operator.execute("select 1 from flowly.runs where id = %s for update", (run_id,))
+        operators.append(operator)
+    return operators
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_call_queued_on_a_client_with_a_timeout_counts_its_time_from_its_turn(
+        dsn: str, db: psycopg.Connection[Any], kind: str) -> None:
+    """Client(timeout=2), two callers: the first's cancel waits for a row an operator holds
+    and is ended by the server at 2 s; the second's, queued behind it, has its turn then and
+    waits 1.5 s for its own row, which its operator lets go 3.5 s after the start. Its own
+    call took 1.5 s, within the timeout: it must succeed, not be given up at 3 s (the timeout
+    and its second of grace counted from when it queued) as a call whose effect is unknown."""
+    with flowly.Client(dsn) as starter:
+        first = starter.start("nobody-serves-this", {"first": kind})
+        second = starter.start("nobody-serves-this", {"second": kind})
+    operators = _hold_rows(dsn, first, second)
+    try:
+        if kind == "sync":
+            with flowly.Client(dsn, timeout=2) as client:
+                started = time.monotonic()
+                thread, first_outcome = in_thread(client.cancel, first)
+                wait_for(lambda: waiting_on_lock(db, "%cancel%"), what="the first call waiting")
+                queued, second_outcome = in_thread(client.cancel, second)
+                time.sleep(max(0.0, started + 3.5 - time.monotonic()))
+                operators[1].rollback()
+                thread.join(10)
+                queued.join(10)
+            outcomes: list[Any] = [first_outcome.get("error"), second_outcome.get("result",
+                                   second_outcome.get("error"))]
+        else:
+            async def main() -> list[Any]:
+                async with flowly.AsyncClient(dsn, timeout=2) as client:
+                    started = time.monotonic()
+                    calls = [asyncio.ensure_future(client.cancel(first))]
+                    while not waiting_on_lock(db, "%cancel%"):
+                        await asyncio.sleep(0.02)
+                    calls.append(asyncio.ensure_future(client.cancel(second)))
+                    await asyncio.sleep(max(0.0, started + 3.5 - time.monotonic()))
+                    operators[1].rollback()
+                    return await asyncio.gather(*calls, return_exceptions=True)
+
+            outcomes = asyncio.run(main())
+    finally:
+        for operator in operators:
+            operator.close()
+    assert isinstance(outcomes[0], flowly.DatabaseTimeout), outcomes
+    assert "took no effect" in str(outcomes[0]), outcomes
+    assert outcomes[1] == "cancelled", outcomes
+    assert scalar(db, "select status from flowly.runs where id = %s", first) == "pending"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_call_whose_turn_does_not_come_within_the_timeout_is_not_made(
+        dsn: str, db: psycopg.Connection[Any], kind: str) -> None:
+    """Client(timeout=1) on a database that stops answering: one caller's get is in flight
+    (given up 2 s on, the effect unknown); another's start, queued behind it, never has its
+    turn within its timeout. It must end at 1 s, saying the call was not made, and be so:
+    no run is made once the database answers again."""
+    run_id = f"never-made-{kind}"
+    with freezable_proxy(dsn) as proxy:
+        if kind == "sync":
+            client = flowly.Client(proxy.dsn, timeout=1)
+            known = client.start("nobody-serves-this", None)  # the connection is open
+            proxy.freeze()
+            thread, in_flight = in_thread(client.get, known)
+            time.sleep(0.2)
+            queued, outcome = in_thread(client.start, "nobody-serves-this", None, run_id=run_id)
+            queued.join(10)
+            thread.join(10)
+            proxy.thaw()
+            client.close()
+            errors = [in_flight.get("error"), outcome.get("error")]
+            took = outcome.get("took")
+        else:
+            async def main() -> tuple[list[Any], float]:
+                async with flowly.AsyncClient(proxy.dsn, timeout=1) as client:
+                    known = await client.start("nobody-serves-this", None)
+                    proxy.freeze()
+                    calls = [asyncio.ensure_future(client.get(known))]
+                    await asyncio.sleep(0.2)
+                    ended: list[float] = []
+                    queued_at = time.monotonic()
+                    start = asyncio.ensure_future(
+                        client.start("nobody-serves-this", None, run_id=run_id))
+                    start.add_done_callback(lambda _: ended.append(time.monotonic()))
+                    calls.append(start)
+                    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                    proxy.thaw()
+                    return outcomes, ended[0] - queued_at
+
+            errors, took = asyncio.run(main())
+    assert isinstance(errors[0], flowly.DatabaseTimeout), errors
+    assert isinstance(errors[1], flowly.DatabaseTimeout), errors
+    assert "was not made" in str(errors[1]), errors
+    assert took is not None and took < 1.6, f"the queued call ended {took:.2f}s on"
+    time.sleep(0.5)
+    assert scalar(db, "select count(*) from flowly.runs where id = %s", run_id) == 0
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_close_lets_the_call_in_flight_end_and_refuses_the_calls_after_it(
+        dsn: str, db: psycopg.Connection[Any], kind: str, timeout: float | None) -> None:
+    """close() while another caller's cancel waits for a row an operator holds: the cancel
+    must end as it would have (cancelled once the operator lets go), not have its connection
+    closed under it (its effect then unknown); close() returns at once; a call queued behind
+    it and every call after close() are not made, and say the client is closed; the
+    client's connection is closed once the call in flight ended."""
+    with flowly.Client(dsn) as starter:
+        held = starter.start("nobody-serves-this", {"held": kind})
+        other = starter.start("nobody-serves-this", {"other": kind})
+    operators = _hold_rows(dsn, held)
+    try:
+        if kind == "sync":
+            client = flowly.Client(dsn, timeout=timeout)
+            thread, in_flight = in_thread(client.cancel, held)
+            wait_for(lambda: waiting_on_lock(db, "%cancel%"), what="the cancel waiting")
+            queued, behind = in_thread(client.cancel, other)
+            time.sleep(0.2)
+            closing = time.monotonic()
+            client.close()
+            close_took = time.monotonic() - closing
+            time.sleep(0.3)
+            still_waiting = thread.is_alive()
+            operators[0].rollback()
+            thread.join(10)
+            queued.join(10)
+            outcomes = [in_flight.get("result", in_flight.get("error")),
+                        behind.get("result", behind.get("error"))]
+            try:
+                later: Any = client.get(other)
+            except psycopg.Error as exc:
+                later = exc
+        else:
+            async def main() -> tuple[list[Any], Any, float, bool]:
+                client = flowly.AsyncClient(dsn, timeout=timeout)
+                calls = [asyncio.ensure_future(client.cancel(held))]
+                while not waiting_on_lock(db, "%cancel%"):
+                    await asyncio.sleep(0.02)
+                calls.append(asyncio.ensure_future(client.cancel(other)))
+                await asyncio.sleep(0.2)
+                closing = time.monotonic()
+                await client.close()
+                close_took = time.monotonic() - closing
+                await asyncio.sleep(0.3)
+                waiting = not calls[0].done()
+                operators[0].rollback()
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                try:
+                    later: Any = await client.get(other)
+                except psycopg.Error as exc:
+                    later = exc
+                return outcomes, later, close_took, waiting
+
+            outcomes, later, close_took, still_waiting = asyncio.run(main())
+    finally:
+        for operator in operators:
+            operator.close()
+    assert close_took < 0.5, f"close() took {close_took:.2f}s"
+    assert still_waiting, f"the call in flight ended when the client was closed: {outcomes}"
+    assert outcomes[0] == "cancelled", outcomes
+    assert isinstance(outcomes[1], psycopg.OperationalError), outcomes
+    assert "client is closed" in str(outcomes[1]), outcomes
+    assert isinstance(later, psycopg.OperationalError), later
+    assert "client is closed" in str(later), later
+    assert scalar(db, "select status from flowly.runs where id = %s", held) == "cancelled"
+    assert scalar(db, "select status from flowly.runs where id = %s", other) == "pending"
+    wait_for(lambda: _client_sessions(db) == 0, timeout=5,
+             what="the closed client's connection to end")

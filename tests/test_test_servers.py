@@ -23,6 +23,15 @@ def test_flowly_test_dsn_wins_then_embedded_flag_then_flowly_dsn() -> None:
     assert chosen.source == "FLOWLY_DSN" and chosen.params == {"host": "h2", "user": "u2"}
 
 
+def test_a_blank_variable_counts_as_unset() -> None:
+    """FLOWLY_TEST_DSN set to spaces chose a server of libpq's defaults over FLOWLY_DSN."""
+    for blank in ("", "  ", "\n"):
+        chosen = choose_server({"FLOWLY_TEST_DSN": blank, "FLOWLY_DSN": "host=h2 user=u2"})
+        assert chosen.source == "FLOWLY_DSN" and chosen.params == {"host": "h2", "user": "u2"}
+        chosen = choose_server({"FLOWLY_DSN": blank}, user="flowly_no_such_role")
+        assert chosen.source != "FLOWLY_DSN", chosen
+
+
 def test_the_local_server_is_used_as_the_current_os_user_when_it_can_log_in() -> None:
     if can_log_in({**LOCAL, "user": getpass.getuser()}) is not None:
         return  # nothing at 127.0.0.1:5432 for this user: the fallback test below covers it

@@ -32,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from .. import arguments
 from ..bounded_calls import end_tasks, on_daemon_thread, within
 from ..branches import enter_body
+from ..config import checked_dsn
 from ..context import (
     NOT_RETRYABLE,
     CompensateInterrupt,
@@ -311,7 +312,7 @@ class Worker:
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
         purge_after: float | timedelta | None = None,
     ) -> None:
-        self.dsn = arguments.text("dsn", dsn)
+        self.dsn = checked_dsn(dsn)
         self.workflows = resolve(workflows)
         if not self.workflows:
             raise ValueError("a worker needs at least one registered workflow")
@@ -1250,10 +1251,9 @@ class Worker:
         return await within(session.call_timeout(self.lease),
                             self._call_now(self._pool, query, params))
 
-    @staticmethod
-    async def _call_now(pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
+    async def _call_now(self, pool: AsyncConnectionPool, query: Any, params: Any) -> list[Any]:
         async with pool.connection() as conn:
-            with translated_errors():
+            with translated_errors(self._calls.schema):
                 cursor = await conn.execute(query, params)
                 return await cursor.fetchall() if cursor.description else []
 

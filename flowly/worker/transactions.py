@@ -157,7 +157,7 @@ class Transactions:
                     if isolation is not None:
                         await conn.execute(_set_isolation(isolation))
                     await conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
-                    with translated_errors():
+                    with translated_errors(self._calls.schema):
                         await conn.execute(begin, begin_args)
                     cutoff.disarm()
                     try:
@@ -173,7 +173,7 @@ class Transactions:
                             await self._set_back_async(conn)
                     query, params = finish(result)
                     cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
-                    with translated_errors():
+                    with translated_errors(self._calls.schema):
                         cursor = await conn.execute(session.restoring(query, self._lease),
                                                     params)
                         return await cursor.fetchone()
@@ -189,7 +189,7 @@ class Transactions:
                 if isolation is not None:
                     conn.execute(_set_isolation(isolation))
                 conn.execute(_RELAXED_TIMEOUTS, self._relaxed_timeouts)
-                with translated_errors():
+                with translated_errors(self._calls.schema):
                     conn.execute(begin, begin_args)
                 cutoff.disarm()
                 try:
@@ -204,7 +204,7 @@ class Transactions:
                         self._set_back_sync(conn, cutoff)
                 query, params = finish(result)
                 cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
-                with translated_errors():
+                with translated_errors(self._calls.schema):
                     return conn.execute(session.restoring(query, self._lease),
                                         params).fetchone()
 
