@@ -490,8 +490,8 @@ select not exists (select from schema_migrations where version = 76) as apply_mi
 
 select not exists (select from schema_migrations where version = 77) as apply_migration \gset
 \if :apply_migration
-    \ir migrations/0077_slots_of_stopped_workers_hand_off_nothing.sql
-    insert into schema_migrations (version, name) values (77, '0077_slots_of_stopped_workers_hand_off_nothing');
+    \ir migrations/0077_idle_workers_keep_their_latency_across_stops_and_lost_listeners.sql
+    insert into schema_migrations (version, name) values (77, '0077_idle_workers_keep_their_latency_across_stops_and_lost_listeners');
 \endif
 
 -- roles set up with setup_roles get their rights on whatever the migrations added
