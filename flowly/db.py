@@ -452,6 +452,7 @@ class Calls:
             "'idle_session_timeout', true), ''), '0')::interval)")
         self.release = q("select {s}.release(%s, %s)")
         self.release_missed_handoffs = q("select {s}.release_missed_handoffs(%s, %s)")
+        self.due_within_the_hour = q("select {s}.due_within_the_hour(%s, %s)")
         # the group-committed batches go in binary: psycopg dumps a long text array
         # element by element with a regex test for quoting, a tenth of the time in binary
         self.checkpoint_steps = q(

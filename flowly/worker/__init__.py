@@ -863,6 +863,7 @@ class Worker:
                     ping_every = await within(max(self.lease, 2.0),
                                               self._start_listening(conn))
                     await self._release_missed_handoffs()
+                    self._side_call(self._time_claims_missed_meanwhile())
                     backoff = 0.1
                     self._wake()  # catch up on anything started while we were away
                     # slots are offered once a notification is seen to reach this listener;
@@ -961,6 +962,20 @@ class Worker:
         if self._released_handoffs:
             logger.info("released %d run(s) handed to this worker while it was not listening",
                         len(self._released_handoffs))
+
+    async def _time_claims_missed_meanwhile(self) -> None:
+        """Time a claim for each run that comes due within the hour: announced while this
+        worker did not listen, it was announced to nobody here (0077). Those due further
+        ahead are the poll's, as ever."""
+        try:
+            rows = await self._call(self._calls.due_within_the_hour,
+                                    (list(self.workflows), self.queues))
+        except Exception as exc:  # they are claimed at the poll, as before
+            logger.warning("could not read when the runs announced while this worker was not"
+                           " listening come due: %s", exc)
+            return
+        for (due,) in rows:
+            await self._claim_at(due.timestamp())
 
     # -- leases -----------------------------------------------------------------------------
 
