@@ -482,6 +482,12 @@ select not exists (select from schema_migrations where version = 75) as apply_mi
     insert into schema_migrations (version, name) values (75, '0075_null_arguments_named_and_sql_days_of_24_hours');
 \endif
 
+select not exists (select from schema_migrations where version = 78) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0078_null_arguments_refused_naming_them.sql
+    insert into schema_migrations (version, name) values (78, '0078_null_arguments_refused_naming_them');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles
