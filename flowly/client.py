@@ -51,7 +51,7 @@ from .errors import (
     RunTimeout,
 )
 from .schedules import Schedule, ScheduleCalls, schedule_calls, schedule_params, to_schedule
-from .workflow import WorkflowFn, lookup, start_params
+from .workflow import WorkflowFn, lookup_argument, start_params
 
 logger = logging.getLogger(__name__)
 
@@ -612,7 +612,7 @@ class Client:
         connection's current transaction and is only visible to workers once the caller
         commits.
         """
-        name, defaults = lookup(workflow)
+        name, defaults = lookup_argument("workflow", workflow)
         params = start_params(name, input, run_id, options, defaults)
         row = self._fetch(self.calls.start_and_served, params, conn)[0]
         if not row["served"]:
@@ -1024,7 +1024,7 @@ class AsyncClient:
         **options: Any,
     ) -> str:
         """See :meth:`Client.start`."""
-        name, defaults = lookup(workflow)
+        name, defaults = lookup_argument("workflow", workflow)
         params = start_params(name, input, run_id, options, defaults)
         row = (await self._fetch(self.calls.start_and_served, params, conn))[0]
         if not row["served"]:

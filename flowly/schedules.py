@@ -16,7 +16,7 @@ from typing import Any
 
 from .arguments import int4, text
 from .db import check_schema_name, dumps_argument, schema_statement
-from .workflow import WorkflowFn, lookup
+from .workflow import WorkflowFn, lookup_argument
 
 MISSED = ("skip", "run_once")
 OVERLAP = ("allow", "skip")
@@ -88,7 +88,7 @@ def schedule_params(
     (whose registration gives the default queue and max_attempts); the SQL validates the
     rest (the expression, the zone, the names) and says which is wrong."""
     text("schedule name", name)
-    workflow_name, defaults = lookup(workflow)
+    workflow_name, defaults = lookup_argument(f"workflow of schedule {name!r}", workflow)
     for what, value in (("cron", cron), ("timezone", timezone), ("missed", missed),
                         ("overlap", overlap), ("queue", queue)):
         if value is not None:

@@ -102,6 +102,17 @@ def lookup(workflow: str | WorkflowFn) -> tuple[str, Workflow | None]:
     raise TypeError(f"{workflow!r} is not a registered workflow function")
 
 
+def lookup_argument(what: str, workflow: Any) -> tuple[str, Workflow | None]:
+    """:func:`lookup` for a client's argument ``what``: a value that is neither a name nor a
+    function (None, a number) is refused as :class:`InvalidArgument` naming it, as the
+    client's other arguments are, not as lookup's TypeError (which workflow code gets as a
+    misuse of flowly)."""
+    if not isinstance(workflow, str) and not callable(workflow):
+        raise InvalidArgument(f"{what} must be a workflow's name or its decorated function,"
+                              f" got {type(workflow).__name__} {workflow!r}")
+    return lookup(workflow)
+
+
 def resolve(workflows: Iterable[str | Workflow | WorkflowFn] | str | Workflow | WorkflowFn
             | None) -> dict[str, Workflow]:
     """Turn names, :class:`Workflow` objects or decorated functions into a name map.

@@ -494,6 +494,12 @@ select not exists (select from schema_migrations where version = 77) as apply_mi
     insert into schema_migrations (version, name) values (77, '0077_idle_workers_keep_their_latency_across_stops_and_lost_listeners');
 \endif
 
+select not exists (select from schema_migrations where version = 78) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0078_null_arguments_refused_naming_them.sql
+    insert into schema_migrations (version, name) values (78, '0078_null_arguments_refused_naming_them');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -87,6 +87,25 @@ CASES: list[tuple[str, Callable[[Any, str], Any], str]] = [
      "after must be timezone-aware"),
     ("cron_next after date", lambda c, r: c.cron_next("0 9 * * *", after=date(2026, 1, 1)),
      "after must be a datetime, got date"),
+    # None where a value is needed; a None workflow raised TypeError ("None is not a registered
+    # workflow function"); a schedule's None cron or zone is refused by the SQL, naming it
+    ("start workflow None", lambda c, r: c.start(None),
+     "workflow must be a workflow's name or its decorated function, got NoneType None"),
+    ("schedule workflow None", lambda c, r: c.schedule("s", "* * * * *", None),
+     "workflow of schedule 's' must be a workflow's name or its decorated function"),
+    ("start workflow int", lambda c, r: c.start(7), "workflow must be a workflow's name"),
+    ("cancel None", lambda c, r: c.cancel(None), "run_id must be a string, got NoneType"),
+    ("retry_dead_letter None", lambda c, r: c.retry_dead_letter(None),
+     "run_id must be a string, got NoneType"),
+    ("send_event run_id None", lambda c, r: c.send_event(None, "ev"),
+     "run_id must be a string, got NoneType"),
+    ("unschedule None", lambda c, r: c.unschedule(None), "schedule name must be a string"),
+    ("schedule cron None", lambda c, r: c.schedule("s", None, "wf"),
+     "cron expression must not be null"),
+    ("schedule timezone None", lambda c, r: c.schedule("s", "* * * * *", "wf", timezone=None),
+     "timezone must be an IANA time zone name"),
+    ("cron_next timezone None", lambda c, r: c.cron_next("* * * * *", timezone=None),
+     "timezone must be a string, got NoneType"),
     # UnicodeEncodeError: text that cannot be sent as UTF-8
     *((f"{label} surrogate", call, f"{what} must not contain an unpaired surrogate")
       for label, call, what in [
