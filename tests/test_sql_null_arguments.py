@@ -156,10 +156,10 @@ NOT_SWEPT: dict[str, str] = {
 WORKER_PROTOCOL = (
     "begin_compensation_transaction", "begin_transaction_step", "checkpoint",
     "checkpoint_steps", "checkpoint_transaction", "claim", "claim_and_offer", "complete",
-    "complete_runs", "fail_run", "fail_step", "finish_compensation", "heartbeat", "offer_slot",
-    "park", "record_compensation", "record_compensation_transaction", "record_listener",
-    "register_worker", "release", "release_missed_handoffs", "replay", "restart_takeovers",
-    "sleep", "unregister_worker", "wait_for_event", "wait_for_run")
+    "complete_runs", "due_within_the_hour", "fail_run", "fail_step", "finish_compensation",
+    "heartbeat", "offer_slot", "park", "record_compensation", "record_compensation_transaction",
+    "record_listener", "register_worker", "release", "release_missed_handoffs", "replay",
+    "restart_takeovers", "sleep", "unregister_worker", "wait_for_event", "wait_for_run")
 NOT_SWEPT.update(dict.fromkeys(
     WORKER_PROTOCOL, "the worker's protocol: called by flowly's worker with values it builds,"
                      " each write fenced by the lease epoch its claim gave"))
