@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import TextIO, TypeVar
 
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .client import Client, Step
+from .config import redacted_dsn
 from .db import DEFAULT_SCHEMA, schema_identifier
 from .examples import order as order_module
 from .render import RunDetail, format_time, load_run, quote_ident, quote_literal, render_run
@@ -56,18 +56,6 @@ T = TypeVar("T")
 
 class DemoFailed(Exception):
     """Something the demo expected did not happen; the message says what."""
-
-
-def redacted(dsn: str) -> str:
-    """``dsn`` with any password masked, fit to paste after ``psql``."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except Exception:  # not parseable as conninfo: show nothing secret
-        return "<your DSN>"
-    if "password" not in params:
-        return dsn
-    params["password"] = "****"
-    return make_conninfo(**{k: str(v) for k, v in params.items()})
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -179,7 +167,7 @@ class _Demo:
 
     def run(self) -> None:
         self.say("flowly demo: a workflow that survives its worker being killed")
-        self.say(f"database: {redacted(self.dsn)}    schema: {self.schema}")
+        self.say(f"database: {redacted_dsn(self.dsn)}    schema: {self.schema}")
         self.say(f"workflow: 'order' from {order_module.__file__}:"
                  " reserve_inventory -> durable sleep 'cooling_period' -> charge_payment")
 
@@ -302,7 +290,7 @@ class _Demo:
         s = quote_ident(self.schema)
         ids = ", ".join(quote_literal(r) for r in run_ids)
         return "\n".join([
-            f"psql {quote_literal(redacted(self.dsn))}",
+            f"psql {quote_literal(redacted_dsn(self.dsn))}",
             "select id, status, attempt, error ->> 'message' as error, compensation_ok",
             f"  from {s}.runs where id in ({ids});",
             "select run_id, seq, name, status, attempts,",
