@@ -115,7 +115,9 @@ def test_a_malformed_dsn_fails_without_showing_its_password_in_a_worker(
     assert password not in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize(("bad", "password"), MALFORMED)
+# the command line checks its DSN as the client does: a URI quoted whole and a key=value token
+# stand for every case above (three processes each)
+@pytest.mark.parametrize(("bad", "password"), [MALFORMED[0], MALFORMED[-1]])
 def test_a_malformed_dsn_fails_without_showing_its_password_on_the_command_line(
         bad: str, password: str) -> None:
     for result in (run_flowly("runs", dsn=bad), run_flowly("runs", env={"FLOWLY_DSN": bad})):
