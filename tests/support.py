@@ -243,6 +243,22 @@ class _Pair:
         return int(self.server.getsockname()[1])
 
 
+def server_address(host: str, port: int) -> tuple[int, Any]:
+    """The socket family and address a proxy reaches the server at: a unix socket in a
+    directory ``host`` (the embedded server's), else TCP."""
+    if host.startswith("/"):
+        return socket.AF_UNIX, f"{host}/.s.PGSQL.{port}"
+    return socket.AF_INET, (host, port)
+
+
+def connect_to(address: tuple[int, Any]) -> socket.socket:
+    """A socket connected to ``address`` (as :func:`server_address` gives it)."""
+    family, where = address
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.connect(where)
+    return sock
+
+
 class FreezableProxy:
     """A TCP proxy in front of the test server whose traffic can be stopped while the
     connections stay open and the kernel still acknowledges the bytes, so no TCP timeout
@@ -253,10 +269,7 @@ class FreezableProxy:
 
     def __init__(self, dsn: str, listen_port: int = 0) -> None:
         with psycopg.connect(dsn) as conn:
-            host, port = conn.info.host, conn.info.port
-        self._upstream: tuple[int, Any] = (
-            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}") if host.startswith("/")
-            else (socket.AF_INET, (host, port)))
+            self._upstream = server_address(conn.info.host, conn.info.port)
         # a server reached over a unix socket sees no client port to tell a connection by
         self.upstream_is_unix_socket = self._upstream[0] == socket.AF_UNIX
         self._flowing = threading.Event()
@@ -303,8 +316,7 @@ class FreezableProxy:
             except OSError:  # closed
                 return
             self._flowing.wait()
-            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
-            server.connect(self._upstream[1])
+            server = connect_to(self._upstream)
             pair = _Pair(client, server)
             self._pairs.append(pair)
             for source, sink in ((client, server), (server, client)):

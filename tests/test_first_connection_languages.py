@@ -26,7 +26,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import flowly
-from tests.support import running_worker, wait_for
+from tests.support import connect_to, running_worker, server_address, wait_for
 
 # (severity as the server's language says FATAL, a message in that language)
 LANGUAGES = {
@@ -60,7 +60,8 @@ class LocalizingProxy:
 
     def __init__(self, dsn: str, language: str) -> None:
         params = conninfo_to_dict(dsn)
-        self._upstream = (str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+        self._upstream = server_address(str(params.get("host", "127.0.0.1")),
+                                        int(params.get("port", 5432)))
         self._language = language
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._sockets: list[socket.socket] = [self._listener]
@@ -82,7 +83,11 @@ class LocalizingProxy:
                 client, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            server = socket.create_connection(self._upstream)
+            try:
+                server = connect_to(self._upstream)
+            except OSError:  # the client sees its connection end, rather than hang
+                client.close()
+                raise
             self._sockets += [client, server]
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
             threading.Thread(target=self._pump_localized, args=(server, client),
