@@ -500,6 +500,12 @@ select not exists (select from schema_migrations where version = 78) as apply_mi
     insert into schema_migrations (version, name) values (78, '0078_null_arguments_refused_naming_them');
 \endif
 
+select not exists (select from schema_migrations where version = 79) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0079_the_worker_protocol_refuses_null_arguments.sql
+    insert into schema_migrations (version, name) values (79, '0079_the_worker_protocol_refuses_null_arguments');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -352,6 +352,36 @@ def test_worker_functions_name_a_null_argument(
         "pending", None, None)
 
 
+@pytest.mark.parametrize(("call", "named"), [
+    ("flowly.fail_run('r', {epoch}, '{{}}', null)", "retryable"),
+    ("flowly.fail_run('r', {epoch}, null)", "error"),
+    ("flowly.fail_step('r', {epoch}, 's', '{{}}', now(), 3, 'fixed', 1, 1, null)", "retryable"),
+    ("flowly.fail_step('r', {epoch}, 's', '{{}}', now(), null, 'fixed', 1, 1)", "max_attempts"),
+    ("flowly.fail_step('r', {epoch}, 's', null, now(), 3, 'fixed', 1, 1)", "error"),
+    ("flowly.fail_step('r', {epoch}, 's', '{{}}', null, 3, 'fixed', 1, 1)", "started_at"),
+    ("flowly.sleep(null, {epoch}, 'nap', p_seconds => 60)", "run_id"),
+    ("flowly.fail_run(null, {epoch}, '{{}}')", "run_id"),
+    ("flowly.park(null, {epoch}, array['s'])", "run_id"),
+    ("flowly.wait_for_event(null, {epoch}, 'w', 'go')", "run_id"),
+])
+def test_the_worker_protocol_names_a_null_argument_and_leaves_the_run_held(
+    db: psycopg.Connection[Any], call: str, named: str
+) -> None:
+    """The worker's fenced calls typed by hand with a NULL: a NULL retryable flag or attempt
+    limit dead-lettered a run whose failure could be retried, a NULL error was a raw 23502,
+    and a NULL run id said "run <NULL> not found" (WF002). Each names its argument (WF003),
+    and the run stays as its worker holds it."""
+    db.execute("select flowly.start('quick', run_id => 'r')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '1 minute')")
+    with pytest.raises(psycopg.Error, match=f"^{named} must not be null") as refused:
+        db.execute(f"select * from {call.format(epoch=epoch)}")
+    assert refused.value.sqlstate == "WF003"
+    assert db.execute("select status, lease_epoch, attempt from flowly.runs").fetchone() == (
+        "running", epoch, 1)
+    assert scalar(db, "select count(*) from flowly.step_attempts") == 0
+
+
 @pytest.mark.parametrize("call", [
     "flowly.checkpoint('r1', null, 's', '1')",
     "flowly.complete('r1', null, '1')",
