@@ -52,7 +52,10 @@ def claim_ms(conn: psycopg.Connection[Any], schema: str, limit: int) -> float:
 
 def handoff_start_ms(conn: psycopg.Connection[Any], schema: str) -> float:
     """Offer a slot as an idle worker does, start a run that takes it (checking first that no
-    run is due ahead of it), complete the run; how long the start took, in ms."""
+    run is due ahead of it), complete the run; how long the start took, in ms. The worker is
+    registered first: a start hands its run only to a registered worker's slot."""
+    conn.execute(_q("select {s}.register_worker('idle', array['bench'], array['default'],"
+                    " '1 hour')", schema))
     conn.execute(_q("select * from {s}.claim_and_offer('idle', array['bench'], array['default'],"
                     " 1, '1 hour', 'idle_channel')", schema)).fetchall()
     started = time.perf_counter()
