@@ -921,26 +921,25 @@ class AsyncClient:
     async def close(self) -> None:
         """See :meth:`Client.close`."""
         self._closed = True
-        waits = (self._reader, self._listener)
-        self._reader = self._listener = None
+        await self._drop_waits()
         if not self._calls.locked():  # else the call under way closes it as its turn ends
             await self._drop_own()
-        for conn in waits:
-            if conn is not None:
-                await conn.close()
 
     async def _drop_own(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
 
-    async def _drop_connections(self) -> None:
-        await self._drop_own()
+    async def _drop_waits(self) -> None:
         waits = (self._reader, self._listener)
         self._reader = self._listener = None
         for conn in waits:
             if conn is not None:
                 await conn.close()
+
+    async def _drop_connections(self) -> None:
+        await self._drop_own()
+        await self._drop_waits()
 
     async def _follow_loop(self) -> None:
         """Connections made in an event loop that has ended (``asyncio.run`` called again
