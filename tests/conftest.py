@@ -2,8 +2,8 @@
 
 The server is chosen by tests/servers.py (FLOWLY_TEST_DSN, FLOWLY_TEST_EMBEDDED=1, FLOWLY_DSN,
 127.0.0.1:5432 as the current OS user, else the embedded PostgreSQL) and named in pytest's
-header. pytest-postgresql builds a template database with flowly installed once per session
-and clones it for every test.
+header. pytest-postgresql builds a template database with flowly installed once per session;
+tests/databases.py clones it for every test, ahead of the test, and drops the clone behind it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flowly.schema import setup_roles  # noqa: E402
+from tests.databases import Databases  # noqa: E402
 from tests.servers import choose_server, describe  # noqa: E402
 from tests.support import READER, WORKER  # noqa: E402
 
@@ -71,27 +72,49 @@ _SERVER_ARGS: dict[str, Any] = {
 postgresql_noproc = factories.postgresql_noproc(
     **_SERVER_ARGS, dbname=f"flowly_test_{os.getpid()}", load=[_install]
 )
-postgresql = factories.postgresql("postgresql_noproc")
 bare_noproc = factories.postgresql_noproc(**_SERVER_ARGS, dbname=f"flowly_bare_{os.getpid()}")
-bare_postgresql = factories.postgresql("bare_noproc")
 
 
-def _dsn_of(conn: psycopg.Connection[Any]) -> str:
-    info = conn.info
-    return make_conninfo(host=info.host, port=info.port, user=info.user, dbname=info.dbname,
-                         password=info.password or None)
+def _clones(request: pytest.FixtureRequest, template_fixture: str) -> Iterator[Databases]:
+    template = request.getfixturevalue(template_fixture).template_dbname
+    databases = Databases(_SERVER_ARGS, template, prefix=template.removesuffix("_tmpl"))
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
+@pytest.fixture(scope="session")
+def flowly_databases(request: pytest.FixtureRequest) -> Iterator[Databases]:
+    """Clones of the template with flowly installed, made ahead (tests/databases.py)."""
+    yield from _clones(request, "postgresql_noproc")
+
+
+@pytest.fixture(scope="session")
+def bare_databases(request: pytest.FixtureRequest) -> Iterator[Databases]:
+    """Clones of an empty template, made ahead."""
+    yield from _clones(request, "bare_noproc")
+
+
+def _fresh(databases: Databases) -> Iterator[str]:
+    name = databases.take()
+    try:
+        yield make_conninfo(**{k: v for k, v in _SERVER_ARGS.items() if v is not None},
+                            dbname=name)
+    finally:
+        databases.give_back(name)
 
 
 @pytest.fixture
-def dsn(postgresql: psycopg.Connection[Any]) -> str:
+def dsn(flowly_databases: Databases) -> Iterator[str]:
     """DSN of a fresh database with flowly installed in schema "flowly"."""
-    return _dsn_of(postgresql)
+    yield from _fresh(flowly_databases)
 
 
 @pytest.fixture
-def empty_dsn(bare_postgresql: psycopg.Connection[Any]) -> str:
+def empty_dsn(bare_databases: Databases) -> Iterator[str]:
     """DSN of a fresh database without flowly."""
-    return _dsn_of(bare_postgresql)
+    yield from _fresh(bare_databases)
 
 
 @pytest.fixture
