@@ -16,9 +16,8 @@ demo: $(BIN)/.installed
 	$(BIN)/flowly demo
 
 # pytest processes running the suite side by side (pytest-xdist; each has its own databases):
-# most tests wait on workers, leases and frozen connections (the suite used a third of the CPU
-# time it took on two cores), so six take under five minutes where two took eight and a half;
-# 0 runs it in this process alone
+# most tests wait on workers, leases and frozen connections, so six keep two cores busy (the
+# suite takes about six minutes on two); 0 runs it in this process alone
 TEST_WORKERS ?= 6
 
 test: $(BIN)/.installed
