@@ -506,6 +506,12 @@ select not exists (select from schema_migrations where version = 79) as apply_mi
     insert into schema_migrations (version, name) values (79, '0079_the_worker_protocol_refuses_null_arguments');
 \endif
 
+select not exists (select from schema_migrations where version = 80) as apply_migration \gset
+\if :apply_migration
+    \ir migrations/0080_heartbeat_and_release_check_their_batches.sql
+    insert into schema_migrations (version, name) values (80, '0080_heartbeat_and_release_check_their_batches');
+\endif
+
 -- roles set up with setup_roles get their rights on whatever the migrations added
 select to_regproc('apply_roles') is not null as has_roles \gset
 \if :has_roles

@@ -383,6 +383,34 @@ def test_the_worker_protocol_names_a_null_argument_and_leaves_the_run_held(
 
 
 @pytest.mark.parametrize("call", [
+    "flowly.heartbeat('w', array['r'], array[]::bigint[], '1 minute')",
+    "flowly.heartbeat('w', null, array[{epoch}], '1 minute')",
+    "flowly.release(array['r', 'x'], array[{epoch}])",
+    "flowly.complete_runs(array['r'], array[{epoch}], array[]::jsonb[])",
+    "flowly.checkpoint_steps(array['r'], array[{epoch}], array['s'], array['1'::jsonb],"
+    " array[now()], array[]::boolean[], array[0])",
+])
+def test_the_worker_s_batches_refuse_lists_of_different_lengths_leaving_the_run_held(
+    db: psycopg.Connection[Any], call: str
+) -> None:
+    """The worker's batch calls pair their lists item by item, and unnest pads a shorter
+    list with NULLs. checkpoint_steps and complete_runs refuse that since 0050; heartbeat and
+    release, typed by hand with one list shorter, answered for a run id of NULL. Each is WF003
+    naming itself, and the run stays as its worker holds it."""
+    db.execute("select flowly.start('quick', run_id => 'r')")
+    epoch = scalar(db, "select lease_epoch from flowly.claim('w', array['quick'],"
+                       " array['default'], 1, '1 minute')")
+    function = call.removeprefix("flowly.").split("(")[0]
+    with pytest.raises(psycopg.Error, match=f"^{function} needs its arrays of one length, got "
+                       ) as refused:
+        db.execute(f"select * from {call.format(epoch=epoch)}")
+    assert refused.value.sqlstate == "WF003"
+    assert db.execute("select status, lease_epoch, output from flowly.runs").fetchone() == (
+        "running", epoch, None)
+    assert scalar(db, "select count(*) from flowly.step_attempts") == 0
+
+
+@pytest.mark.parametrize("call", [
     "flowly.checkpoint('r1', null, 's', '1')",
     "flowly.complete('r1', null, '1')",
     "flowly.sleep('r1', null, 'nap', p_seconds => 60)",
