@@ -18,7 +18,7 @@ from .errors import InvalidArgument
 logger = logging.getLogger(__name__)
 
 
-def _given(value: str | None) -> str | None:
+def given(value: str | None) -> str | None:
     """``value`` unless it is blank: an empty or all-space setting (an env file's
     ``FLOWLY_DSN=`` line) counts as unset, not as libpq's "every default", which reaches
     another server or database than the next setting names."""
@@ -28,7 +28,7 @@ def _given(value: str | None) -> str | None:
 def configured_dsn(explicit: str | None = None) -> str | None:
     """The DSN given explicitly or through the environment, if any (blank ones skipped)."""
     for value in (explicit, os.environ.get("FLOWLY_DSN"), os.environ.get("DATABASE_URL")):
-        if _given(value):
+        if given(value):
             return value
     return None
 

@@ -17,6 +17,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from flowly.config import given
+
 LOCAL = {"host": "127.0.0.1", "port": 5432}
 
 
@@ -47,19 +49,12 @@ def can_log_in(params: Mapping[str, Any]) -> str | None:
         return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _given(env: Mapping[str, str], name: str) -> str | None:
-    """The variable's value unless it is unset or blank (libpq would read spaces as "every
-    default", another server than the next variable names)."""
-    value = env.get(name)
-    return value if value and not value.isspace() else None
-
-
 def choose_server(env: Mapping[str, str], user: str | None = None) -> Choice:
-    if test_dsn := _given(env, "FLOWLY_TEST_DSN"):
+    if test_dsn := given(env.get("FLOWLY_TEST_DSN")):
         return Choice("FLOWLY_TEST_DSN", conninfo_to_dict(test_dsn), "from FLOWLY_TEST_DSN")
     if env.get("FLOWLY_TEST_EMBEDDED") == "1":
         return Choice("embedded", {}, "FLOWLY_TEST_EMBEDDED=1")
-    if dsn := _given(env, "FLOWLY_DSN"):
+    if dsn := given(env.get("FLOWLY_DSN")):
         return Choice("FLOWLY_DSN", conninfo_to_dict(dsn), "from FLOWLY_DSN")
     local = {**LOCAL, "user": user or getpass.getuser()}
     failure = can_log_in(local)
