@@ -11,6 +11,7 @@ too large, queued behind others), and notifications that are not what they claim
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -286,6 +287,39 @@ def test_a_full_worker_gives_a_handed_run_back_and_runs_no_more_than_its_concurr
                              (handed,)).fetchone()
     assert handed_step is not None and handed_step[0] >= first_done
     assert scalar(db, "select lease_epoch from flowly.runs where id = %s", handed) == 3
+
+
+def test_a_run_handed_off_while_a_claim_s_answer_is_on_its_way_waits_for_the_room_it_takes(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim counts its room when it is sent. A hand-off that reached the worker before the
+    claim's answer did found that room still free, and began its run: with the claimed one,
+    two runs at once on a worker of concurrency 1 (seen once in CI, on a loaded machine). The
+    claim's answer is held back here for a second, the hand-off committed meanwhile."""
+    call = flowly.Worker._call
+    answers_held = threading.Event()
+
+    async def slow_answer(worker: flowly.Worker, query: Any, params: Any) -> list[Any]:
+        rows = await call(worker, query, params)
+        if rows and query is worker._calls.claim_and_offer and answers_held.is_set():
+            await asyncio.sleep(1)
+        return rows
+
+    monkeypatch.setattr(flowly.Worker, "_call", slow_answer)
+    with running_worker(dsn, workflows=["echo"], concurrency=1, poll_interval=60) as worker, \
+            psycopg.connect(dsn) as open_tx:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        handed = scalar(open_tx, "select flowly.start('echo', '{\"value\": \"handed\"}')")
+        answers_held.set()
+        busy = client.start("echo", {"value": "busy", "wait": 1})
+        wait_for(lambda: client.get(busy).status == "running", what="busy claimed")
+        open_tx.commit()  # handed off while the claim's answer is held back
+        assert client.wait(handed, timeout=15).output == "handed"
+        busy_done = client.get(busy).finished_at
+        assert busy_done is not None, "the handed run ran beside the claimed one"
+    handed_step = db.execute("select started_at from flowly.steps where run_id = %s",
+                             (handed,)).fetchone()
+    assert handed_step is not None and handed_step[0] >= busy_done
 
 
 def test_runs_that_must_not_be_handed_off_go_the_claim_way(

@@ -358,6 +358,10 @@ class Worker:
         # calls made beside the claim loop: for runs handed to this worker (confirming,
         # extending or releasing them), and reading the clock to time a claim
         self._side_calls: set[asyncio.Task[None]] = set()
+        # the room a claim in flight counted on, and the hand-offs that found no other room
+        # meanwhile: they are taken (or given back) once the claim's runs have begun
+        self._claiming = 0
+        self._handoffs_behind_claim: list[str] = []
         # the runs handed to it that it released when it last began to listen (0054): a
         # notification of one read since is stale
         self._released_handoffs: set[str] = set()
@@ -645,13 +649,20 @@ class Worker:
         offering = self._offering()
         await self._read_server_clock_if_due(offering)
         sent = time.monotonic()
-        rows = await self._call(
-            self._calls.claim_and_offer,
-            (self.worker_id, list(self.workflows), self.queues, limit,
-             self._lease_interval, self._handoff_channel if offering else None),
-        )
-        for row in rows:
-            self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
+        self._claiming = limit
+        try:
+            rows = await self._call(
+                self._calls.claim_and_offer,
+                (self.worker_id, list(self.workflows), self.queues, limit,
+                 self._lease_interval, self._handoff_channel if offering else None),
+            )
+            for row in rows:
+                self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
+        finally:
+            self._claiming = 0
+            behind, self._handoffs_behind_claim = self._handoffs_behind_claim, []
+            for payload in behind:
+                self._take_handoff(payload)
         return len(rows)
 
     def _begin(self, run: ClaimedRun, lease_until: float) -> _Held:
@@ -682,6 +693,9 @@ class Worker:
             handed = None  # released (and so claimable) since it was handed off
         if handed is None:
             self._wake()
+        elif self._claiming and self._room() <= 0:
+            # whether the claim leaves it room is known when its answer comes
+            self._handoffs_behind_claim.append(payload)
         elif not self._accept_handoff(handed):
             # given back: claimable again; begun: its slot offered again, or used up (then
             # only offer the next)
@@ -709,11 +723,14 @@ class Worker:
         self._side_call(self._extend_handed_lease(held))
 
     def _room(self) -> int:
-        """How many more runs this worker may begin: its concurrency, less the runs it holds
-        and the sync calls of runs it gave up on that still hold a step thread (a hung call of
-        a cancelled run: a run begun in its place would wait for a thread for as long, its
-        lease kept, where another worker could run it)."""
-        return self.concurrency - len(self._held) - self._step_threads.abandoned
+        """How many more runs this worker may begin: its concurrency, less the runs it holds,
+        the room a claim in flight counted on (its runs begin when its answer comes: a run
+        handed off meanwhile would run beside them), and the sync calls of runs it gave up on
+        that still hold a step thread (a hung call of a cancelled run: a run begun in its
+        place would wait for a thread for as long, its lease kept, where another worker could
+        run it)."""
+        return (self.concurrency - len(self._held) - self._claiming
+                - self._step_threads.abandoned)
 
     def _may_begin(self, run: ClaimedRun) -> bool:
         """Whether a run handed to this worker may begin here now; if not, it is given back
