@@ -646,11 +646,11 @@ class Worker:
             self._handoff_channel if offering else None, free - 1))
 
     async def _claim(self, limit: int) -> int:
-        offering = self._offering()
-        await self._read_server_clock_if_due(offering)
-        sent = time.monotonic()
         self._claiming = limit
         try:
+            offering = self._offering()
+            await self._read_server_clock_if_due(offering)
+            sent = time.monotonic()
             rows = await self._call(
                 self._calls.claim_and_offer,
                 (self.worker_id, list(self.workflows), self.queues, limit,
