@@ -99,8 +99,7 @@ def bare_databases(request: pytest.FixtureRequest) -> Iterator[Databases]:
 def _fresh(databases: Databases) -> Iterator[str]:
     name = databases.take()
     try:
-        yield make_conninfo(**{k: v for k, v in _SERVER_ARGS.items() if v is not None},
-                            dbname=name)
+        yield databases.dsn(name)
     finally:
         databases.give_back(name)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class Databases:
             name = self._ready.popleft()
             self._changed.notify_all()
             return name
+
+    def dsn(self, name: str) -> str:
+        """The DSN of clone ``name``."""
+        return make_conninfo(**self._server, dbname=name)
 
     def give_back(self, name: str) -> None:
         """End the connections a test left to ``name`` (a frozen process's, a worker still
