@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 import flowly
+from flowly.worker.server_clock import ServerClock
 from tests import workflows
 from tests.support import offer_as, running_worker, scalar, wait_for, worker_process
 
@@ -289,31 +290,36 @@ def test_a_full_worker_gives_a_handed_run_back_and_runs_no_more_than_its_concurr
     assert scalar(db, "select lease_epoch from flowly.runs where id = %s", handed) == 3
 
 
-def test_a_run_handed_off_while_a_claim_s_answer_is_on_its_way_waits_for_the_room_it_takes(
+@pytest.mark.parametrize("held_back", ["claim_and_offer", "server_clock"])
+def test_a_run_handed_off_while_a_claim_is_on_its_way_waits_for_the_room_it_takes(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A claim counts its room when it is sent. A hand-off that reached the worker before the
-    claim's answer did found that room still free, and began its run: with the claimed one,
-    two runs at once on a worker of concurrency 1 (seen once in CI, on a loaded machine). The
-    claim's answer is held back here for a second, the hand-off committed meanwhile."""
+        monkeypatch: pytest.MonkeyPatch, held_back: str) -> None:
+    """A claim counts its room when it sets off. A hand-off that reached the worker before
+    the claim's answer did found that room still free, and began its run: with the claimed
+    one, two runs at once on a worker of concurrency 1 (seen once in CI, on a loaded machine).
+    Here the answer of the claim, or of the clock reading a claim makes first, is held back
+    for a second, and the hand-off committed meanwhile."""
     call = flowly.Worker._call
-    answers_held = threading.Event()
+    hold, holding = threading.Event(), threading.Event()
 
     async def slow_answer(worker: flowly.Worker, query: Any, params: Any) -> list[Any]:
         rows = await call(worker, query, params)
-        if rows and query is worker._calls.claim_and_offer and answers_held.is_set():
+        if rows and query is getattr(worker._calls, held_back) and hold.is_set():
+            hold.clear()
+            holding.set()
             await asyncio.sleep(1)
         return rows
 
     monkeypatch.setattr(flowly.Worker, "_call", slow_answer)
+    monkeypatch.setattr(ServerClock, "due", lambda clock, now: hold.is_set())
     with running_worker(dsn, workflows=["echo"], concurrency=1, poll_interval=60) as worker, \
             psycopg.connect(dsn) as open_tx:
         wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
         handed = scalar(open_tx, "select flowly.start('echo', '{\"value\": \"handed\"}')")
-        answers_held.set()
+        hold.set()
         busy = client.start("echo", {"value": "busy", "wait": 1})
-        wait_for(lambda: client.get(busy).status == "running", what="busy claimed")
-        open_tx.commit()  # handed off while the claim's answer is held back
+        wait_for(holding.is_set, what="the claim's answer held back")
+        open_tx.commit()  # handed off meanwhile
         assert client.wait(handed, timeout=15).output == "handed"
         busy_done = client.get(busy).finished_at
         assert busy_done is not None, "the handed run ran beside the claimed one"
