@@ -259,3 +259,40 @@ def test_a_run_announced_due_later_while_the_worker_s_listener_was_down_starts_o
     assert run.status == "completed", said
     began = scalar(db, "select min(at) from public.test_effects where run_id = %s", run_id)
     assert timedelta(0) <= began - due_at < timedelta(seconds=2.5), (began - due_at, said)
+
+
+def test_runs_handed_off_and_claimed_in_a_race_never_exceed_the_worker_s_concurrency(
+        dsn: str, db: psycopg.Connection[Any]) -> None:
+    """Starts from four sessions, some committed at once and some after a while in an open
+    transaction, while the worker of concurrency 2 claims, offers slots and is handed runs
+    all at once: at no moment do more than two of its steps run. A step's span is its
+    recorded start and end, each narrowed by 20 ms for the two clocks that write them."""
+    def start_runs(offset: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for i in range(10):
+                inp = psycopg.types.json.Jsonb({"value": offset + i, "wait": 0.15})
+                if i % 3 == 0:
+                    with conn.transaction():
+                        conn.execute("select flowly.start('echo', %s)", (inp,))
+                        time.sleep(0.05 * (i % 4))
+                else:
+                    conn.execute("select flowly.start('echo', %s)", (inp,))
+                time.sleep(0.01 * (offset % 7))
+
+    with running_worker(dsn, workflows=["echo"], concurrency=2, poll_interval=60) as worker:
+        wait_for(lambda: offered(db, worker.worker_id), what="an idle slot offered")
+        starters = [threading.Thread(target=start_runs, args=(100 * n,)) for n in range(4)]
+        for thread in starters:
+            thread.start()
+        for thread in starters:
+            thread.join()
+        wait_for(lambda: scalar(db, "select count(*) from flowly.runs"
+                                    " where status = 'completed'") == 40,
+                 timeout=60, what="every run completed")
+    most = scalar(db, """
+        with spans as (
+            select started_at + interval '20 ms' as s, finished_at - interval '20 ms' as e
+            from flowly.steps)
+        select max((select count(*) from spans o where o.s <= p.s and o.e > p.s))
+        from spans p""")
+    assert most <= 2, f"{most} steps ran at once on a worker of concurrency 2"
