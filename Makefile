@@ -17,7 +17,7 @@ demo: $(BIN)/.installed
 
 # pytest processes running the suite side by side (pytest-xdist; each has its own databases):
 # most tests wait on workers, leases and frozen connections, so six keep two cores busy (the
-# suite takes about six minutes on two); 0 runs it in this process alone
+# suite takes six to eight minutes on two); 0 runs it in this process alone
 TEST_WORKERS ?= 6
 
 test: $(BIN)/.installed
