@@ -569,6 +569,7 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
             psycopg.connect(dsn, autocommit=True) as other:
         assert client.wait(client.start("echo", {"value": 1}), timeout=20).status == "completed"
         frozen_id = scalar(other, "select id from flowly.workers")
+        first_listener = scalar(other, "select listener_pid from flowly.workers")
         frozen.signal(signal.SIGSTOP)
         flood_notifications(other, scalar(other, "select flowly.wakeup_channel()"))
         time.sleep(0.5)
@@ -579,6 +580,11 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
                      what="the frozen worker's listener ended, the queue cleared")
         frozen.signal(signal.SIGCONT)
         assert client.wait(client.start("echo", {"value": 2}), timeout=20).status == "completed"
+        # it reads the flood its socket held before the end of its listener (seconds on a
+        # loaded machine, while the flood's wake-ups had it claim the run): wait for that
+        wait_for(lambda: scalar(other, "select listener_pid from flowly.workers where id = %s",
+                                frozen_id) not in (None, first_listener),
+                 what="the woken worker listening anew")
         logged = frozen.stop()
     assert "wake-up listener lost" in logged, logged
     assert f"ended the listener of worker {frozen_id}" in caplog.text, caplog.text
