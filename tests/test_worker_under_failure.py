@@ -580,8 +580,8 @@ def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_eve
                      what="the frozen worker's listener ended, the queue cleared")
         frozen.signal(signal.SIGCONT)
         assert client.wait(client.start("echo", {"value": 2}), timeout=20).status == "completed"
-        # it reads the flood its socket held before the end of its listener (seconds on a
-        # loaded machine, while the flood's wake-ups had it claim the run): wait for that
+        # it reads the flood its socket held before the end of its listener: seconds on a
+        # loaded machine, while its polls (every 0.1 s) claimed the run; wait for that
         wait_for(lambda: scalar(other, "select listener_pid from flowly.workers where id = %s",
                                 frozen_id) not in (None, first_listener),
                  what="the woken worker listening anew")
