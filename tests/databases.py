@@ -81,8 +81,7 @@ class Databases:
                     sql.Identifier(name)))
             except psycopg.errors.InvalidCatalogName:
                 return  # the test dropped it
-            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity"
-                         " where datname = %s", (name,))
+            _end_sessions(conn, name)
         with self._changed:
             self._used.append(name)
             self._changed.notify_all()
@@ -115,9 +114,7 @@ class Databases:
                 name = f"{self._prefix}_{made}"
                 with self._connect() as conn:
                     # a clone fails while anyone is connected to its template: nobody should be
-                    conn.execute("select pg_terminate_backend(pid) from pg_stat_activity"
-                                 " where datname = %s and pid <> pg_backend_pid()",
-                                 (self._template,))
+                    _end_sessions(conn, self._template)
                     strategy = STRATEGY if conn.info.server_version >= 150000 else sql.SQL("")
                     conn.execute(sql.SQL("create database {} template {} {}").format(
                         sql.Identifier(name), sql.Identifier(self._template), strategy))
@@ -143,3 +140,9 @@ class Databases:
                         sql.Identifier(name)))
             except psycopg.Error as exc:
                 logger.warning("test database %s is left behind: %s", name, exc)
+
+
+def _end_sessions(conn: psycopg.Connection[Any], dbname: str) -> None:
+    """End every session connected to ``dbname`` (``conn`` is connected to another)."""
+    conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s",
+                 (dbname,))
