@@ -17,16 +17,17 @@ demo: $(BIN)/.installed
 
 # pytest processes running the suite side by side (pytest-xdist; each has its own databases):
 # most tests wait on workers, leases and frozen connections, so six keep two cores busy (the
-# suite takes six to eight minutes on two); 0 runs it in this process alone
+# suite takes six to eight minutes on two); 0 runs it in this process alone. Tests that
+# measure the server's shared notification queue run in one process (xdist_group, loadgroup)
 TEST_WORKERS ?= 6
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # the same suite on the embedded PostgreSQL 18 (CI runs both), but for the packaging tests,
 # which test the wheel, not the server
 test-embedded: $(BIN)/.installed
-	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest -n $(TEST_WORKERS) \
+	FLOWLY_TEST_EMBEDDED=1 FLOWLY_TEST_PG_VERSION=18 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
 	    -m "not packaging"
 
 lint: $(BIN)/.installed

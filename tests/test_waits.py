@@ -437,6 +437,7 @@ def _notification_queue_held(other: psycopg.Connection[Any]) -> float:
     return usage
 
 
+@pytest.mark.xdist_group("notification_queue")  # the server's queue is shared: measured alone
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_client_that_waited_once_does_not_hold_back_the_database_s_notifications(
     dsn: str, asynchronous: bool
@@ -464,6 +465,7 @@ def test_a_client_that_waited_once_does_not_hold_back_the_database_s_notificatio
     assert usage < 0.0005, f"{usage:.5f} of the notification queue held"
 
 
+@pytest.mark.xdist_group("notification_queue")  # the server's queue is shared: measured alone
 def test_waits_of_one_async_client_run_side_by_side_and_one_cancelled_leaves_the_rest(
     dsn: str,
 ) -> None:

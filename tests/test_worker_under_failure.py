@@ -555,6 +555,7 @@ def test_a_worker_keeps_its_runs_while_another_transaction_holds_what_its_beat_w
     assert len(_LONG_STEP_CALLS) == 1, f"the step ran {len(_LONG_STEP_CALLS)} times"
 
 
+@pytest.mark.xdist_group("notification_queue")  # the server's queue is shared: measured alone
 def test_a_frozen_worker_s_listener_does_not_hold_the_notification_queue_for_ever(
     dsn: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
