@@ -102,6 +102,9 @@ class Heartbeat:
                     self._beat(cut_off_after=max(interval, _BEAT_PATIENCE))
                     pause = interval
                 except (psycopg.Error, OSError) as exc:
+                    if self._stopping.is_set():  # the stop cut the beat off: nothing failed
+                        logger.debug("heartbeat cut off by the stop: %s", exc)
+                        break
                     logger.warning("heartbeat failed: %s", exc)
                     self._close()
                     # the first try again at once (a new connection: the lease is running
