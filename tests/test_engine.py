@@ -735,6 +735,37 @@ def test_a_cancelled_worker_releases_its_runs(dsn: str, client: flowly.Client,
     assert run_id in workflows.CANCELLED
 
 
+def test_a_worker_cancelled_while_its_claim_is_answered_releases_the_claimed_runs(
+        dsn: str, client: flowly.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim commits on the server, and Worker.run() is cancelled before its answer has
+    reached the worker (the test above failed so once in a full suite run: it cancels as soon
+    as the claim is visible). The worker never learnt of the run, so it released nothing, and
+    the run stayed locked for its whole lease. Here the answer is held back for 0.3 s."""
+    run_id = client.start("slow", {"seconds": 60})
+    call = flowly.Worker._call
+    answering = asyncio.Event()
+
+    async def late_answer(worker: flowly.Worker, query: Any, params: Any) -> list[Any]:
+        rows = await call(worker, query, params)
+        if rows and query is worker._calls.claim_and_offer:
+            answering.set()
+            await asyncio.sleep(0.3)
+        return rows
+
+    monkeypatch.setattr(flowly.Worker, "_call", late_answer)
+
+    async def run_then_cancel() -> None:
+        task = asyncio.create_task(flowly.Worker(dsn, lease=60, poll_interval=0.1).run())
+        await asyncio.wait_for(answering.wait(), timeout=20)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_then_cancel())
+    run = client.get(run_id)
+    assert (run.status, run.locked_by) == ("pending", None)
+
+
 def test_a_child_run_gets_its_workflows_defaults_and_a_fenced_parent(
     dsn: str, client: flowly.Client, db: psycopg.Connection[Any],
 ) -> None:

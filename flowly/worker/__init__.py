@@ -95,6 +95,10 @@ MAX_LEASE = 86_400.0
 # A lease of 0.01 s made healthy runs look expired almost at once: taken over again and
 # again, they ended as poison
 MIN_LEASE = 1.0
+# how long a worker cancelled while a claim was on its way waits for its answer, to hold (and
+# so release) the runs it took: an answer is milliseconds away unless the database hangs, and
+# less than the moment after which the cancellation of the worker's tasks is repeated
+_CLAIM_ANSWER_GRACE = 0.5
 # how long each database call at shutdown (release, unregister) may take before the worker
 # exits anyway: a database that is gone must not keep a stopping worker alive
 _SHUTDOWN_CALL_TIMEOUT = 3.0
@@ -651,11 +655,16 @@ class Worker:
             offering = self._offering()
             await self._read_server_clock_if_due(offering)
             sent = time.monotonic()
-            rows = await self._call(
+            claiming = asyncio.ensure_future(self._call(
                 self._calls.claim_and_offer,
                 (self.worker_id, list(self.workflows), self.queues, limit,
                  self._lease_interval, self._handoff_channel if offering else None),
-            )
+            ))
+            try:
+                rows = await asyncio.shield(claiming)
+            except asyncio.CancelledError:
+                await self._hold_what_a_cancelled_claim_took(claiming, sent + self.lease)
+                raise
             for row in rows:
                 self._begin(ClaimedRun(*row), lease_until=sent + self.lease)
         finally:
@@ -665,8 +674,26 @@ class Worker:
                 self._take_handoff(payload)
         return len(rows)
 
-    def _begin(self, run: ClaimedRun, lease_until: float) -> _Held:
-        """Start executing a run just claimed (or handed to us) under its new epoch."""
+    async def _hold_what_a_cancelled_claim_took(
+            self, claiming: asyncio.Future[list[Any]], lease_until: float) -> None:
+        """The worker was cancelled (``Worker.run()``'s task) while a claim was on its way.
+        The claim may have committed: its runs are this worker's, and only their release
+        (``run()`` releases what the worker holds) frees them before their lease ends. Its
+        answer is waited for a moment, not for a database that hangs; the runs it brings are
+        held, not begun."""
+        try:
+            await asyncio.wait({claiming}, timeout=_CLAIM_ANSWER_GRACE)
+        finally:  # also when cancelled again meanwhile
+            if not claiming.done():
+                claiming.cancel()
+                claiming.add_done_callback(_consume_outcome)
+        if not claiming.done() or claiming.cancelled() or claiming.exception() is not None:
+            return
+        for row in claiming.result():
+            self._hold(ClaimedRun(*row), lease_until)
+
+    def _hold(self, run: ClaimedRun, lease_until: float) -> _Held:
+        """Hold a run just claimed (or handed to us) under its new epoch."""
         stale = self._held.get(run.run_id)
         if stale is not None and stale.task is not None:
             # our own run, whose lease expired while its heartbeats failed (a database
@@ -676,6 +703,11 @@ class Worker:
             stale.stop("taken over by a later claim of this worker")
         held = _Held(run.run_id, run.epoch, lease_until=lease_until)
         self._held[run.run_id] = held
+        return held
+
+    def _begin(self, run: ClaimedRun, lease_until: float) -> _Held:
+        """Hold a run just claimed (or handed to us) and start executing it."""
+        held = self._hold(run, lease_until)
         held.task = asyncio.create_task(
             self._execute(held, self.workflows[run.workflow], run),
             name=f"flowly-run-{run.run_id}",
