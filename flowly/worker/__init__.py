@@ -678,9 +678,9 @@ class Worker:
             self, claiming: asyncio.Future[list[Any]], lease_until: float) -> None:
         """The worker was cancelled (``Worker.run()``'s task) while a claim was on its way.
         The claim may have committed: its runs are this worker's, and only their release
-        (``run()`` releases what the worker holds) frees them before their lease ends. Its
-        answer is waited for a moment, not for a database that hangs; the runs it brings are
-        held, not begun."""
+        frees them before their lease ends. Its answer is waited for a moment, not for a
+        database that hangs; the runs it brings are held, not begun: only the worker's end
+        cancels the claim loop, and ``_serve`` then releases every run held."""
         try:
             await asyncio.wait({claiming}, timeout=_CLAIM_ANSWER_GRACE)
         finally:  # also when cancelled again meanwhile
