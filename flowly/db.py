@@ -100,8 +100,11 @@ def translated_errors(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
 # connection exceptions, insufficient resources, operator intervention (shutdown, statement
 # timeout, cancel), system errors
 _CONNECTION_CLASSES = frozenset({"08", "53", "57", "58"})
-# ... and the session ended by the server for idling in a transaction (a frozen client)
-_CONNECTION_STATES = frozenset({"25P03"})
+# ... the session ended by the server for idling in a transaction (a frozen client), and a
+# server that takes no writes for now: a standby a failover endpoint still points at, or a
+# storage guard that set default_transaction_read_only (flowly's own sessions never make
+# their transactions read-only; a transactional step's SQL may, see worker/transactions.py)
+_CONNECTION_STATES = frozenset({"25P03", "25006"})
 # the row or the transaction was contended: the same call, made again, may well succeed
 _CONTENTION_STATES = frozenset({"55P03", "40001", "40P01"})
 
@@ -116,7 +119,8 @@ def is_contention(exc: BaseException) -> bool:
 
 def is_connection_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is the connection or the server failing (whether a write committed is
-    then unknown), rather than the database refusing what was asked."""
+    then unknown) or taking no writes for now, rather than the database refusing what was
+    asked."""
     if isinstance(exc, (psycopg.InterfaceError, OSError)):
         return True
     if not isinstance(exc, psycopg.Error) or is_contention(exc):

@@ -173,7 +173,7 @@ class Transactions:
                             await self._set_back_async(conn)
                     query, params = finish(result)
                     cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
-                    with translated_errors(self._calls.schema):
+                    with _made_read_only_by_function(), translated_errors(self._calls.schema):
                         cursor = await conn.execute(session.restoring(query, self._lease),
                                                     params)
                         return await cursor.fetchone()
@@ -204,7 +204,7 @@ class Transactions:
                         self._set_back_sync(conn, cutoff)
                 query, params = finish(result)
                 cutoff.arm(self._call_timeout)  # the checkpoint, and the commit
-                with translated_errors(self._calls.schema):
+                with _made_read_only_by_function(), translated_errors(self._calls.schema):
                     return conn.execute(session.restoring(query, self._lease),
                                         params).fetchone()
 
@@ -279,6 +279,24 @@ def _failure_of(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
         ended.__cause__ = exc
         return UserCodeFailed(ended)
     return UserCodeFailed(exc)
+
+
+@contextmanager
+def _made_read_only_by_function() -> Iterator[None]:
+    """A checkpoint refused as a write in a read-only transaction: flowly's BEGIN of the step
+    locked the run's row, so the transaction could write when the function began, and only
+    the function's SQL (SET TRANSACTION READ ONLY) made it read-only since. Its step fails
+    without retries, as the function's own mistake. Elsewhere a read-only error is the
+    server's (a standby, a read-only default): the run waits for its lease, and is retried."""
+    try:
+        yield
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        made = WorkflowCodeError(
+            "the function made the transaction flowly opened for it read-only (SET TRANSACTION"
+            " READ ONLY in its SQL), so its checkpoint cannot be written in it: leave the"
+            " transaction read-write")
+        made.__cause__ = exc
+        raise UserCodeFailed(made) from exc
 
 
 def _ended_by_function(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

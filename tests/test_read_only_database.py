@@ -1,0 +1,104 @@
+"""A database that is read-only for a while: a storage guard that sets
+``default_transaction_read_only`` (managed servers do when the disk fills), or a failover
+endpoint that still points at a standby. Nothing flowly calls can write then. It is the
+server's state, not any run's fault: a worker must neither exit nor fail a run because of it,
+and once the database is writable again every run must come out as it would have."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import flowly
+import tests.workflows  # noqa: F401  (registers "three_steps")
+from tests.support import running_worker, scalar, wait_for
+
+
+def _read_only(db: psycopg.Connection[Any], on: bool) -> None:
+    """New sessions of the test's database begin read-only (or not any more); the sessions
+    others have open are ended, so that theirs are new too (the test's ``db`` stays)."""
+    name = sql.Identifier(db.info.dbname)
+    db.execute(sql.SQL("alter database {} set default_transaction_read_only = on").format(name)
+               if on else
+               sql.SQL("alter database {} reset default_transaction_read_only").format(name))
+    db.execute("select pg_terminate_backend(pid) from pg_stat_activity"
+               " where datname = current_database() and pid <> pg_backend_pid()")
+
+
+def _flowly_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("flowly") and r.levelno >= logging.ERROR]
+
+
+def test_runs_in_flight_when_the_database_turns_read_only_complete_once_it_is_writable(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A refused checkpoint was taken for a write the database refused for its content: the
+    run was "interrupted by an internal error" (an ERROR with a traceback), and had its
+    failure record gone through on a connection still writable, the step would have failed
+    without retries. It is abandoned until its lease ends, as after a lost connection."""
+    caplog.set_level(logging.WARNING, logger="flowly")
+    with running_worker(dsn, workflows=["three_steps"], lease=4):
+        run_ids = [client.start("three_steps", {"step_seconds": 0.2}) for _ in range(20)]
+        wait_for(lambda: scalar(db, "select count(*) from flowly.steps"), what="steps begun")
+        _read_only(db, True)
+        time.sleep(3)
+        _read_only(db, False)
+        runs = [client.wait(run_id, timeout=60) for run_id in run_ids]
+    assert [r.status for r in runs] == ["completed"] * 20
+    assert scalar(db, "select count(*) from flowly.step_attempts") == 0
+    assert _flowly_errors(caplog) == []
+    abandoned = [r.getMessage() for r in caplog.records if "abandoned until" in r.getMessage()]
+    assert any("read-only" in message for message in abandoned), abandoned
+
+
+def test_a_worker_started_on_a_read_only_database_waits_and_serves_once_it_is_writable(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """It exited with "database error: cannot execute DELETE in a read-only transaction"
+    (its registration): under a supervisor, a crash loop for as long as the guard lasts."""
+    caplog.set_level(logging.WARNING, logger="flowly")
+    run_id = client.start("three_steps", {})
+    _read_only(db, True)
+    with running_worker(dsn, workflows=["three_steps"]):
+        wait_for(lambda: any("could not register worker" in r.getMessage()
+                             and "read-only" in r.getMessage() for r in caplog.records),
+                 what="the worker waiting to register")
+        _read_only(db, False)
+        assert client.wait(run_id, timeout=30).status == "completed"
+
+
+@flowly.workflow("rod_read_only_transaction")
+async def rod_read_only_transaction(ctx: flowly.Context, inp: dict[str, Any]) -> Any:
+    def made_read_only(conn: psycopg.Connection[Any]) -> str:
+        conn.execute("set transaction read only")
+        return "read"
+
+    async def made_read_only_async(conn: psycopg.AsyncConnection[Any]) -> str:
+        await conn.execute("set transaction read only")
+        return "read"
+
+    fn = made_read_only_async if inp["async"] else made_read_only
+    return await ctx.transaction("read", fn, retry=flowly.Retry(max_attempts=3,
+                                                                initial_delay=0.05))
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_transactional_step_that_makes_its_transaction_read_only_fails_without_retries(
+        dsn: str, db: psycopg.Connection[Any], client: flowly.Client, is_async: bool) -> None:
+    """Its own SQL made the transaction read-only: that is no read-only server to wait out
+    (waiting, the run would be taken over again and again until it counted as poison), but
+    the step's mistake, named."""
+    run_id = client.start("rod_read_only_transaction", {"async": is_async})
+    with running_worker(dsn, workflows=["rod_read_only_transaction"]):
+        run = client.wait(run_id, timeout=20)
+    assert run.status == "dead_letter"
+    assert run.error is not None and "made the transaction flowly opened for it read-only" \
+        in run.error["message"]
+    assert scalar(db, "select count(*) from flowly.step_attempts where run_id = %s",
+                  run_id) == 1
