@@ -6,6 +6,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -720,16 +721,12 @@ def test_a_cancelled_worker_releases_its_runs(dsn: str, client: flowly.Client,
     flight at once, as a stop does, instead of leaving them locked for a whole lease."""
     run_id = client.start("slow", {"seconds": 60})
 
-    async def run_then_cancel() -> None:
-        task = asyncio.create_task(flowly.Worker(dsn, lease=60, poll_interval=0.1).run())
+    async def claimed() -> None:
         while not await asyncio.to_thread(
                 scalar, db, "select locked_by is not null from flowly.runs"):
             await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
-    asyncio.run(run_then_cancel())
+    _run_worker_then_cancel(dsn, claimed)
     run = client.get(run_id)
     assert (run.status, run.locked_by) == ("pending", None)
     assert run_id in workflows.CANCELLED
@@ -753,17 +750,22 @@ def test_a_worker_cancelled_while_its_claim_is_answered_releases_the_claimed_run
         return rows
 
     monkeypatch.setattr(flowly.Worker, "_call", late_answer)
+    _run_worker_then_cancel(dsn, lambda: asyncio.wait_for(answering.wait(), timeout=20))
+    run = client.get(run_id)
+    assert (run.status, run.locked_by) == ("pending", None)
 
+
+def _run_worker_then_cancel(dsn: str, ready: Callable[[], Awaitable[Any]]) -> None:
+    """Run a worker until ``ready()`` returns, then cancel its task (an embedding application
+    shutting down): the task ends cancelled."""
     async def run_then_cancel() -> None:
         task = asyncio.create_task(flowly.Worker(dsn, lease=60, poll_interval=0.1).run())
-        await asyncio.wait_for(answering.wait(), timeout=20)
+        await ready()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(run_then_cancel())
-    run = client.get(run_id)
-    assert (run.status, run.locked_by) == ("pending", None)
 
 
 def test_a_child_run_gets_its_workflows_defaults_and_a_fenced_parent(
