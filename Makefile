@@ -17,7 +17,7 @@ demo: $(BIN)/.installed
 
 # pytest processes running the suite side by side (pytest-xdist; each has its own databases):
 # most tests wait on workers, leases and frozen connections, so six keep two cores busy (the
-# suite takes six to eight minutes on two); 0 runs it in this process alone. Tests that
+# suite takes five to eight minutes on two); 0 runs it in this process alone. Tests that
 # measure the server's shared notification queue run in one process (xdist_group, loadgroup)
 TEST_WORKERS ?= 6
 
