@@ -1111,6 +1111,8 @@ class Worker:
             return
         for held in unfinished:
             held.stop("the worker is stopping")
+            if held.task is None:  # held, never begun: a claim answered as the worker ended
+                del self._held[held.run_id]
         tasks = [h.task for h in unfinished if h.task is not None]
         if tasks:
             # a step that ignores its cancellation must not hold the shutdown up: the release
