@@ -130,6 +130,26 @@ def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
     return None if row is None else row[0]
 
 
+def database_default(db: psycopg.Connection[Any], setting: str, value: str) -> None:
+    """Sessions of the test's database opened from now on begin with ``setting`` at
+    ``value`` (``alter database ... set``)."""
+    db.execute(sql.SQL("alter database {} set {} = {}").format(
+        sql.Identifier(db.info.dbname), sql.Identifier(setting), sql.Literal(value)))
+
+
+def end_other_sessions(db: psycopg.Connection[Any]) -> None:
+    """End every other session of the test's database, as a server restart or a failover
+    does, and wait until they are gone."""
+    pids = [pid for (pid,) in db.execute(
+        "select pid from pg_stat_activity where datname = current_database()"
+        " and pid <> pg_backend_pid()")]
+    assert pids, "no other session is connected to end"
+    db.execute("select pg_terminate_backend(pid) from unnest(%s::int[]) pid", (pids,))
+    wait_for(lambda: not db.execute("select from pg_stat_activity where pid = any(%s)",
+                                    (pids,)).fetchall(), what="the sessions ended")
+    time.sleep(0.1)  # their farewells reach the client's sockets
+
+
 def kill_at_work(dsn: str, db: psycopg.Connection[Any], *args: str, pause: float,
                  done: Callable[[], bool]) -> None:
     """Start a worker process and SIGKILL it ``pause`` seconds after it stored a step (or at

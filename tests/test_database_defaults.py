@@ -23,11 +23,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import flowly
-from tests.support import running_worker, scalar, wait_for
+from tests.support import database_default, running_worker, scalar, wait_for
 from tests.test_cli import flowly as flowly_cli
 from tests.test_cli import ok
 
@@ -50,10 +49,6 @@ async def iso_transaction_isolation(ctx: flowly.Context, inp: Any) -> Any:
             await ctx.transaction("named", _isolation, isolation="serializable")]
 
 
-def _default(db: psycopg.Connection[Any], setting: str, value: str) -> None:
-    """Sessions opened from now on begin with ``setting`` at ``value``."""
-    db.execute(sql.SQL("alter database {} set {} = {}").format(
-        sql.Identifier(db.info.dbname), sql.Identifier(setting), sql.Literal(value)))
 
 
 def _finished(db: psycopg.Connection[Any], runs: int) -> list[str]:
@@ -70,7 +65,7 @@ def test_runs_complete_without_a_failed_call_under_a_stricter_default_isolation(
         dsn: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch, isolation: str) -> None:
     monkeypatch.setenv("FLOWLY_DSN", dsn)  # where the steps record their effects
-    _default(db, "default_transaction_isolation", isolation)
+    database_default(db, "default_transaction_isolation", isolation)
     caplog.set_level(logging.WARNING, logger="flowly")
     with psycopg.connect(dsn) as fresh:
         assert _isolation(fresh) == isolation
@@ -89,7 +84,7 @@ def test_runs_complete_without_a_failed_call_under_a_stricter_default_isolation(
 
 def test_a_transactional_step_that_names_no_isolation_is_read_committed_whatever_the_default(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _default(db, "default_transaction_isolation", "serializable")
+    database_default(db, "default_transaction_isolation", "serializable")
     with running_worker(dsn, workflows=["iso_transaction_isolation"]):
         db.execute("select flowly.start('iso_transaction_isolation')")
         assert _finished(db, 1) == ["completed"]
@@ -107,7 +102,7 @@ def test_the_worker_the_client_and_top_read_a_session_of_other_styles_and_encodi
         dsn: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
         setting: str, value: str) -> None:
     monkeypatch.setenv("FLOWLY_DSN", dsn)
-    _default(db, setting, value)
+    database_default(db, setting, value)
     with flowly.Client(dsn) as client, running_worker(dsn, workflows=["sleepy", "echo"]):
         napping = client.start("sleepy", {"seconds": 0.2}, timeout=60)
         echoed = client.start("echo", {"value": TEXT}, timeout=60)

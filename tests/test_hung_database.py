@@ -589,6 +589,7 @@ def test_a_beat_cut_off_by_a_stop_is_no_failed_heartbeat(
     failed = [r.getMessage() for r in caplog.records if "heartbeat failed" in r.getMessage()]
     assert failed == []
 
+
 # -- the command line -----------------------------------------------------------------------
 
 

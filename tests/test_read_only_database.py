@@ -12,22 +12,17 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 import flowly
 import tests.workflows  # noqa: F401  (registers "three_steps")
-from tests.support import running_worker, scalar, wait_for
+from tests.support import database_default, end_other_sessions, running_worker, scalar, wait_for
 
 
 def _read_only(db: psycopg.Connection[Any], on: bool) -> None:
     """New sessions of the test's database begin read-only (or not any more); the sessions
     others have open are ended, so that theirs are new too (the test's ``db`` stays)."""
-    name = sql.Identifier(db.info.dbname)
-    db.execute(sql.SQL("alter database {} set default_transaction_read_only = on").format(name)
-               if on else
-               sql.SQL("alter database {} reset default_transaction_read_only").format(name))
-    db.execute("select pg_terminate_backend(pid) from pg_stat_activity"
-               " where datname = current_database() and pid <> pg_backend_pid()")
+    database_default(db, "default_transaction_read_only", "on" if on else "off")
+    end_other_sessions(db)
 
 
 def _flowly_errors(caplog: pytest.LogCaptureFixture) -> list[str]:

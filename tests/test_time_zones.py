@@ -21,22 +21,22 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 import flowly
 from tests import workflows
-from tests.support import offer_as, running_worker, scalar, sqlstate_of, wait_for
+from tests.support import (
+    database_default,
+    offer_as,
+    running_worker,
+    scalar,
+    sqlstate_of,
+    wait_for,
+)
 
 DAY = 86_400
 # Berlin moves its clocks forward at 2027-03-28 01:00 UTC and back at 2027-10-31 01:00 UTC
 BEFORE_SPRING_FORWARD = datetime(2027, 3, 27, 12, tzinfo=UTC)
 BEFORE_FALL_BACK = datetime(2027, 10, 30, 12, tzinfo=UTC)
-
-
-def _time_zone(db: psycopg.Connection[Any], zone: str) -> None:
-    """Sessions opened from now on begin in ``zone``."""
-    db.execute(sql.SQL("alter database {} set timezone = {}").format(
-        sql.Identifier(db.info.dbname), sql.Literal(zone)))
 
 
 def _zone_changing_in(db: psycopg.Connection[Any], days: int) -> str:
@@ -58,7 +58,7 @@ def _run_times(db: psycopg.Connection[Any], run_id: str) -> tuple[Any, ...]:
 
 def test_a_timeout_in_seconds_from_python_ends_that_many_seconds_later_across_dst(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, "Europe/Berlin")
+    database_default(db, "timezone", "Europe/Berlin")
     with flowly.Client(dsn) as client:
         for name, due in (("spring", BEFORE_SPRING_FORWARD), ("fall", BEFORE_FALL_BACK)):
             for kind, timeout in (("seconds", DAY), ("timedelta", timedelta(days=3, seconds=1))):
@@ -72,7 +72,7 @@ def test_a_timeout_in_seconds_from_python_ends_that_many_seconds_later_across_ds
 
 def test_a_delay_in_seconds_from_python_is_that_many_seconds_across_dst(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, _zone_changing_in(db, 1))
+    database_default(db, "timezone", _zone_changing_in(db, 1))
     with flowly.Client(dsn) as client:
         for delay in (2 * DAY, timedelta(days=2, hours=1)):
             run_id = client.start("tz_unserved", None, delay=delay)
@@ -90,7 +90,7 @@ async def tz_starts_a_child(ctx: flowly.Context, inp: Any) -> str:
 
 def test_a_timeout_in_seconds_from_ctx_start_ends_that_many_seconds_later_across_dst(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
-    _time_zone(db, "Europe/Berlin")
+    database_default(db, "timezone", "Europe/Berlin")
     with running_worker(dsn, workflows=["tz_starts_a_child"]):
         parent = client.start("tz_starts_a_child", None)
         assert client.wait(parent, timeout=20).status == "completed"
@@ -100,7 +100,7 @@ def test_a_timeout_in_seconds_from_ctx_start_ends_that_many_seconds_later_across
 
 def test_a_timeout_from_sql_counts_days_as_24_hours_and_months_in_utc(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, "Europe/Berlin")
+    database_default(db, "timezone", "Europe/Berlin")
     with psycopg.connect(dsn, autocommit=True) as conn:
         for run_id, due, timeout, ends in (
             ("day", BEFORE_SPRING_FORWARD, "1 day", "2027-03-28 12:00+00"),
@@ -116,7 +116,7 @@ def test_a_timeout_from_sql_counts_days_as_24_hours_and_months_in_utc(
 
 def test_a_timeout_from_sql_handed_to_an_idle_worker_counts_days_as_24_hours(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, _zone_changing_in(db, 1))
+    database_default(db, "timezone", _zone_changing_in(db, 1))
     with psycopg.connect(dsn, autocommit=True) as conn:
         offer_as(conn, "tz_idle", "tz_unserved", "1 minute")
         run_id = scalar(conn, "select flowly.start('tz_unserved', timeout => '2 days')")
@@ -127,7 +127,7 @@ def test_a_timeout_from_sql_handed_to_an_idle_worker_counts_days_as_24_hours(
 
 def test_purge_counts_an_age_in_seconds_across_dst(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, _zone_changing_in(db, -1))
+    database_default(db, "timezone", _zone_changing_in(db, -1))
     db.execute("""
         insert into flowly.runs (id, workflow, status, created_at, finished_at)
         values ('older', 'wf', 'completed', now() - interval '48:30:00',
@@ -145,7 +145,7 @@ def test_purge_from_sql_counts_an_age_s_days_as_24_hours_and_months_in_utc_acros
     yesterday purged the runs finished over 47 hours ago: PostgreSQL subtracted calendar days
     of the zone. An age from SQL counts as start's timeout does (0070): days of 24 hours,
     months of UTC's calendar."""
-    _time_zone(db, _zone_changing_in(db, -1))
+    database_default(db, "timezone", _zone_changing_in(db, -1))
     db.execute("""
         insert into flowly.runs (id, workflow, status, created_at, finished_at)
         select id, 'wf', 'completed', finished_at, finished_at
@@ -165,7 +165,7 @@ def test_a_lease_of_a_day_given_from_sql_lasts_24_hours_across_dst(
     """A worker that calls flowly's functions from SQL with a lease of '1 day' held its run,
     its slot and its liveness for 23 hours when the session's zone moved its clocks forward
     within the day: the lease's day was a calendar day of the zone. Each now lasts 24 hours."""
-    _time_zone(db, _zone_changing_in(db, 1))
+    database_default(db, "timezone", _zone_changing_in(db, 1))
     db.execute("select flowly.start('tz_unserved', run_id => 'r')")
     day = timedelta(days=1)
     with psycopg.connect(dsn) as conn:
@@ -189,7 +189,7 @@ def test_a_lease_of_a_day_given_from_sql_lasts_24_hours_across_dst(
 
 def test_a_worker_s_lease_of_a_day_lasts_a_day_across_dst(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client) -> None:
-    _time_zone(db, _zone_changing_in(db, 1))
+    database_default(db, "timezone", _zone_changing_in(db, 1))
     run_id = client.start("gated", None)
     try:
         with running_worker(dsn, workflows=["gated"], lease=DAY):
@@ -247,7 +247,7 @@ def _retried(dsn: str, run_id: str, due: str | None, timeout: str) -> None:
 
 def test_a_retried_run_s_timeout_counts_again_from_the_retry_in_utc(
         dsn: str, db: psycopg.Connection[Any]) -> None:
-    _time_zone(db, _zone_changing_in(db, 1))
+    database_default(db, "timezone", _zone_changing_in(db, 1))
     _retried(dsn, "day", None, "2 days")
     _, scheduled_for, timeout_at = _run_times(db, "day")
     assert timeout_at - scheduled_for == timedelta(days=2)

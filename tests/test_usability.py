@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 
 import flowly
 from flowly.client import list_runs_query
-from tests.support import wait_for
+from tests.support import end_other_sessions
 
 
 def test_a_workflow_that_is_not_async_def_is_refused_at_registration() -> None:
@@ -185,17 +184,6 @@ def test_list_runs_filters_are_index_conditions(db: psycopg.Connection[Any],
     assert "Sort" not in plan, plan  # the index gives the newest first
 
 
-def _end_other_backends(db: psycopg.Connection[Any]) -> None:
-    """End every other session of the test's database, as a server restart or a failover
-    does, and wait until they are gone."""
-    pids = [pid for (pid,) in db.execute(
-        "select pid from pg_stat_activity where datname = current_database()"
-        " and pid <> pg_backend_pid()")]
-    assert pids, "the client has no connection open"
-    db.execute("select pg_terminate_backend(pid) from unnest(%s::int[]) pid", (pids,))
-    wait_for(lambda: not db.execute("select from pg_stat_activity where pid = any(%s)",
-                                    (pids,)).fetchall(), what="the sessions ended")
-    time.sleep(0.1)  # their farewells reach the client's sockets
 
 
 def test_a_client_whose_connections_the_server_dropped_while_idle_opens_new_ones(
@@ -209,11 +197,11 @@ def test_a_client_whose_connections_the_server_dropped_while_idle_opens_new_ones
         run_id = client.start("nobody-serves-this")
         with pytest.raises(flowly.RunTimeout):
             client.wait(run_id, timeout=0.1)
-        _end_other_backends(db)
+        end_other_sessions(db)
         assert client.get(run_id).status == "pending"
         with pytest.raises(flowly.RunTimeout):
             client.wait(run_id, timeout=0.1)
-        _end_other_backends(db)
+        end_other_sessions(db)
         assert client.start("nobody-serves-this", run_id=run_id) == run_id
 
 
@@ -225,7 +213,7 @@ def test_an_async_client_whose_connections_the_server_dropped_while_idle_opens_n
             run_id = await client.start("nobody-serves-this")
             with pytest.raises(flowly.RunTimeout):
                 await client.wait(run_id, timeout=0.1)
-            _end_other_backends(db)
+            end_other_sessions(db)
             assert (await client.get(run_id)).status == "pending"
             with pytest.raises(flowly.RunTimeout):
                 await client.wait(run_id, timeout=0.1)

@@ -13,10 +13,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 import flowly
 from tests.support import (
+    database_default,
     flood_notifications,
     notification_queue_usage,
     running_worker,
@@ -502,8 +502,7 @@ def test_a_wait_that_outlasts_the_server_s_idle_session_timeout_returns_the_run(
     each beat and logged it; it opens a new connection first. The worker's own listener was
     ended each second, and came back with a warning each time; it shows itself alive more
     often than the timeout now."""
-    db.execute(sql.SQL("alter database {} set idle_session_timeout = 1000").format(
-        sql.Identifier(db.info.dbname)))
+    database_default(db, "idle_session_timeout", "1000")
 
     async def wait_async(run_id: str) -> flowly.Run:
         async with flowly.AsyncClient(dsn) as aclient:
