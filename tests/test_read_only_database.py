@@ -6,6 +6,7 @@ and once the database is writable again every run must come out as it would have
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -30,6 +31,18 @@ def _flowly_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
             if r.name.startswith("flowly") and r.levelno >= logging.ERROR]
 
 
+@flowly.workflow("rod_three_naps")
+async def rod_three_naps(ctx: flowly.Context, inp: Any) -> Any:
+    """Three steps that write nothing of their own: a step failure recorded here would be
+    flowly's own write refused and taken for the step's (three_steps records its effects on
+    a connection of its own, which a read-only database refuses: a failure of the step)."""
+    async def nap(n: int) -> int:
+        await asyncio.sleep(0.2)
+        return n
+
+    return [await ctx.step(f"nap{n}", nap, n) for n in range(3)]
+
+
 def test_runs_in_flight_when_the_database_turns_read_only_complete_once_it_is_writable(
         dsn: str, db: psycopg.Connection[Any], client: flowly.Client,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -38,14 +51,14 @@ def test_runs_in_flight_when_the_database_turns_read_only_complete_once_it_is_wr
     failure record gone through on a connection still writable, the step would have failed
     without retries. It is abandoned until its lease ends, as after a lost connection."""
     caplog.set_level(logging.WARNING, logger="flowly")
-    with running_worker(dsn, workflows=["three_steps"], lease=4):
-        run_ids = [client.start("three_steps", {"step_seconds": 0.2}) for _ in range(20)]
+    with running_worker(dsn, workflows=["rod_three_naps"], lease=4):
+        run_ids = [client.start("rod_three_naps", None) for _ in range(20)]
         wait_for(lambda: scalar(db, "select count(*) from flowly.steps"), what="steps begun")
         _read_only(db, True)
         time.sleep(3)
         _read_only(db, False)
         runs = [client.wait(run_id, timeout=60) for run_id in run_ids]
-    assert [r.status for r in runs] == ["completed"] * 20
+    assert [(r.status, r.output) for r in runs] == [("completed", [0, 1, 2])] * 20
     assert scalar(db, "select count(*) from flowly.step_attempts") == 0
     assert _flowly_errors(caplog) == []
     abandoned = [r.getMessage() for r in caplog.records if "abandoned until" in r.getMessage()]
